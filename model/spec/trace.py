@@ -1,0 +1,193 @@
+"""The NDJSON trace format shared by the solver's counterexamples, the simulator and
+the impl (docs/trace-format.md). Writing and parsing only; replay is in validate.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import IO, Any, Iterable, Iterator
+
+from model.spec.events import FIELDS, Enqueue, Event, Fail, Fence, KvDone, Land, Step
+from model.spec.invariants import Violation
+from model.spec.kernel import Decision
+from model.spec.kvpoll import POLL_VALUES
+from model.spec.machine import RankStep, StepRecord
+from model.spec.variants import VARIANTS
+
+FORMAT, VERSION = "pdgate-trace", 1
+ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
+KINDS = {"header", "step", "violation", "end", *ENV_KINDS}
+_DECISION_BY_NAME = {d.name.lower(): d for d in Decision}
+
+
+class TraceFormatError(ValueError):
+    """Malformed input; ``str()`` is one line naming the trace line."""
+
+    def __init__(self, line: int, message: str):
+        self.line = line
+        super().__init__(f"line {line}: {message}")
+
+
+def event_record(ev: Event) -> dict[str, Any]:
+    if isinstance(ev, Enqueue):
+        return {"kind": "enqueue", "req": ev.req, "room": ev.room, "payload": ev.payload}
+    if isinstance(ev, Land):
+        return {"kind": "land", "rank": ev.rank, "req": ev.req, "field": ev.field}
+    if isinstance(ev, Step):
+        return {"kind": "step"}
+    kind = {KvDone: "kv_done", Fail: "fail", Fence: "fence"}[type(ev)]
+    return {"kind": kind, "rank": ev.rank, "req": ev.req}
+
+
+def step_record(rec: StepRecord) -> dict[str, Any]:
+    return {"kind": "step", "step": rec.step, "hang": list(rec.hang) if rec.hang else None,
+            "ranks": [{"rank": r.rank, "queue": list(r.queue), "local": list(r.local),
+                       "gated": list(r.gated), "reduced": list(r.reduced),
+                       "popped": [[q, Decision(d).name.lower(), p] for q, d, p in r.popped]}
+                      for r in rec.ranks]}
+
+
+class TraceWriter:
+    """Writes one trace. ``t`` (milliseconds, simulated or wall) is optional on any record."""
+
+    def __init__(self, fp: IO[str], variant: str, ranks: int, slots: int, source: str,
+                 timeout_steps: int | None = None, **extra: Any):
+        self.fp = fp
+        header = {"kind": "header", "format": FORMAT, "version": VERSION, "variant": variant,
+                  "ranks": ranks, "slots": slots, "timeout_steps": timeout_steps, "source": source}
+        header.update(extra)
+        self._write(header)
+
+    def _write(self, obj: dict[str, Any], t: float | None = None) -> None:
+        if t is not None:
+            obj["t"] = round(t, 6)
+        self.fp.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def event(self, ev: Event, t: float | None = None) -> None:
+        self._write(event_record(ev), t)
+
+    def step(self, rec: StepRecord, t: float | None = None) -> None:
+        self._write(step_record(rec), t)
+
+    def violation(self, v: Violation, step: int) -> None:
+        self._write({"kind": "violation", "invariant": v.invariant, "step": step,
+                     "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail})
+
+    def end(self, steps: int) -> None:
+        self._write({"kind": "end", "steps": steps})
+
+
+@dataclass(frozen=True)
+class Header:
+    variant: str
+    ranks: int
+    slots: int
+    timeout_steps: int | None
+    source: str
+
+
+def _int(obj: dict, key: str, line: int, lo: int = 0, hi: int | None = None) -> int:
+    val = obj.get(key)
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise TraceFormatError(line, f"{obj.get('kind')}: field {key!r} must be an integer, got {val!r}")
+    if val < lo or (hi is not None and val > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise TraceFormatError(line, f"{obj.get('kind')}: {key} {val} out of range {rng}")
+    return val
+
+
+def _int_list(obj: dict, key: str, line: int, what: str, allowed: frozenset | None = None) -> tuple:
+    vals = obj.get(key)
+    if not isinstance(vals, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
+        raise TraceFormatError(line, f"step: {what} {key!r} must be a list of integers")
+    if allowed is not None:
+        for x in vals:
+            if x not in allowed:
+                raise TraceFormatError(line, f"step: {what} {key} holds poll value {x} outside 0..4")
+    return tuple(vals)
+
+
+def parse_header(obj: dict, line: int) -> Header:
+    if obj.get("kind") != "header" or obj.get("format") != FORMAT:
+        raise TraceFormatError(line, f"first record must be a {FORMAT} header")
+    if obj.get("version") != VERSION:
+        raise TraceFormatError(line, f"unsupported trace version {obj.get('version')!r}")
+    if obj.get("variant") not in VARIANTS:
+        raise TraceFormatError(line, f"unknown variant {obj.get('variant')!r}")
+    timeout = obj.get("timeout_steps")
+    if timeout is not None:
+        timeout = _int(obj, "timeout_steps", line, 1)
+    return Header(obj["variant"], _int(obj, "ranks", line, 1), _int(obj, "slots", line, 1),
+                  timeout, str(obj.get("source", "")))
+
+
+def _parse_rank_step(obj: Any, line: int, ranks: int) -> RankStep:
+    if not isinstance(obj, dict):
+        raise TraceFormatError(line, "step: each entry of 'ranks' must be an object")
+    rank = _int(obj, "rank", line, 0, ranks - 1)
+    what = f"rank {rank}"
+    popped = obj.get("popped")
+    if not isinstance(popped, list):
+        raise TraceFormatError(line, f"step: {what} 'popped' must be a list")
+    out = []
+    for p in popped:
+        if (not isinstance(p, list) or len(p) != 3 or not isinstance(p[0], int)
+                or p[1] not in _DECISION_BY_NAME or not isinstance(p[2], int)):
+            raise TraceFormatError(line, f"step: {what} popped entry {p!r} is not [req, decision, payload]")
+        out.append((p[0], int(_DECISION_BY_NAME[p[1]]), p[2]))
+    return RankStep(rank, _int_list(obj, "queue", line, what),
+                    _int_list(obj, "local", line, what, POLL_VALUES),
+                    _int_list(obj, "gated", line, what, POLL_VALUES),
+                    _int_list(obj, "reduced", line, what, POLL_VALUES), tuple(out))
+
+
+def parse_record(obj: Any, line: int, header: Header) -> Event | StepRecord | Violation | int:
+    """One record after the header: an Event, a StepRecord (a step with per-rank data),
+    a Violation claim, or the int step count of the end record."""
+    if not isinstance(obj, dict):
+        raise TraceFormatError(line, "record must be a JSON object")
+    kind = obj.get("kind")
+    if kind not in KINDS or kind == "header":
+        raise TraceFormatError(line, f"unknown record kind {kind!r}")
+    if kind == "enqueue":
+        return Enqueue(_int(obj, "req", line), _int(obj, "room", line, 0, 2**64 - 1),
+                       _int(obj, "payload", line, -2**31, 2**31 - 1))
+    if kind in ENV_KINDS:
+        rank, req = _int(obj, "rank", line, 0, header.ranks - 1), _int(obj, "req", line)
+        if kind == "land":
+            if obj.get("field") not in FIELDS:
+                raise TraceFormatError(line, f"land: field must be one of {FIELDS}, got {obj.get('field')!r}")
+            return Land(rank, req, obj["field"])
+        return ENV_KINDS[kind](rank, req)
+    if kind == "step":
+        if "ranks" not in obj:
+            return Step()
+        entries = obj["ranks"]
+        if not isinstance(entries, list) or len(entries) != header.ranks:
+            raise TraceFormatError(line, f"step: 'ranks' must list all {header.ranks} ranks")
+        hang = obj.get("hang")
+        if hang is not None:
+            hang = _int_list(obj, "hang", line, "step")
+        rs = tuple(_parse_rank_step(e, line, header.ranks) for e in entries)
+        if [r.rank for r in rs] != list(range(header.ranks)):
+            raise TraceFormatError(line, "step: 'ranks' entries must be in rank order 0..T-1")
+        return StepRecord(_int(obj, "step", line), rs, hang)
+    if kind == "violation":
+        name = obj.get("invariant")
+        if not isinstance(name, str):
+            raise TraceFormatError(line, "violation: 'invariant' must be a string")
+        return Violation(name, str(obj.get("detail", "")),
+                         _int_list(obj, "ranks", line, "violation"),
+                         _int_list(obj, "reqs", line, "violation"))
+    return _int(obj, "steps", line)
+
+
+def read_records(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON) for every non-blank line."""
+    for n, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            yield n, json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(n, f"malformed JSON: {exc.msg} at column {exc.colno}") from None

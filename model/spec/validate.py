@@ -1,0 +1,131 @@
+"""Replay a trace through the spec: the first record the spec does not allow, or OK.
+
+Exit codes used by ``pdgate validate``: 0 the spec allows the whole trace, 1 it does
+not (or the trace ended early), 2 malformed input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from model.spec.events import Event, Step
+from model.spec.invariants import INVARIANTS, Violation, check_invariants
+from model.spec.kernel import Decision
+from model.spec.machine import EventNotEnabled, StepRecord, apply
+from model.spec.state import SystemState, initial_state
+from model.spec.trace import (TraceFormatError, event_record, parse_header, parse_record,
+                              read_records)
+from model.spec.variants import VARIANTS, get_variant
+
+
+@dataclass
+class ValidationResult:
+    ok: bool
+    message: str
+    steps: int
+    state: SystemState | None = None
+    line: int | None = None
+    first_violation: tuple[int, Violation] | None = None   # (step, violation) seen in replay
+    claims: list[Violation] = field(default_factory=list)  # violation records confirmed
+
+
+def _diff_step(want: StepRecord, got: StepRecord) -> str | None:
+    if (want.hang or None) != (got.hang or None):
+        return f"hang {list(want.hang or [])} in trace, spec gives {list(got.hang or [])}"
+    for w, g in zip(want.ranks, got.ranks):
+        for name in ("queue", "local", "gated", "reduced", "popped"):
+            wv, gv = getattr(w, name), getattr(g, name)
+            if wv != gv:
+                if name == "popped":
+                    wv = [[q, Decision(d).name.lower(), p] for q, d, p in wv]
+                    gv = [[q, Decision(d).name.lower(), p] for q, d, p in gv]
+                return f"rank {w.rank} {name} {list(wv)} in trace, spec gives {list(gv)}"
+    return None
+
+
+def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResult:
+    """Replay ``lines``; raises TraceFormatError on malformed input."""
+    records = read_records(lines)
+    first = next(records, None)
+    if first is None:
+        raise TraceFormatError(1, "empty trace (no header)")
+    header = parse_header(first[1], first[0])
+    name = variant or header.variant
+    v = get_variant(name, header.timeout_steps if VARIANTS[name].timeout_steps else None)
+    state = initial_state(v, header.ranks, header.slots)
+    first_violation = None
+    claims: list[Violation] = []
+    last_line = first[0]
+
+    def fail(line: int, msg: str) -> ValidationResult:
+        return ValidationResult(False, f"line {line} (step {state.steps}): {msg}", state.steps,
+                                state, line, first_violation, claims)
+
+    for line, obj in records:
+        last_line = line
+        rec = parse_record(obj, line, header)
+        if isinstance(rec, int):
+            if rec != state.steps:
+                return fail(line, f"end record says {rec} steps, spec took {state.steps}")
+            return ValidationResult(True, f"OK: {state.steps} steps match variant {v.name}",
+                                    state.steps, state, line, first_violation, claims)
+        if isinstance(rec, Violation):
+            if rec.invariant not in INVARIANTS:
+                raise TraceFormatError(line, f"violation: unknown invariant {rec.invariant!r}")
+            found = check_invariants(state, [rec.invariant])
+            if not found:
+                return fail(line, f"trace claims {rec.invariant} is violated, spec state satisfies it")
+            claims.append(found[0])
+            continue
+        try:
+            if isinstance(rec, StepRecord):
+                if rec.step != state.steps:
+                    return fail(line, f"step record numbered {rec.step}, spec is at step {state.steps}")
+                got = apply(state, Step())
+                diff = _diff_step(rec, got)
+                if diff:
+                    return fail(line, f"spec does not allow this step: {diff}")
+            else:
+                got = apply(state, rec)
+        except EventNotEnabled as exc:
+            return fail(line, f"spec does not allow {_show(rec)}: {exc}")
+        if got is not None and first_violation is None:
+            found = check_invariants(state)
+            if found:
+                first_violation = (got.step, found[0])
+    return ValidationResult(False, f"line {last_line}: trace ended before its end record "
+                            f"(after {state.steps} steps)", state.steps, state, last_line,
+                            first_violation, claims)
+
+
+def _show(rec: Event) -> str:
+    return " ".join(f"{k}={val}" for k, val in event_record(rec).items())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="NDJSON trace (docs/trace-format.md)")
+    p.add_argument("--variant", choices=sorted(VARIANTS),
+                   help="replay against this variant instead of the header's")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with open(args.trace, encoding="utf-8") as fp:
+            result = validate(fp, args.variant)
+    except OSError as exc:
+        print(f"pdgate validate: cannot read {args.trace}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"pdgate validate: {args.trace} is not UTF-8 text", file=sys.stderr)
+        return 2
+    except TraceFormatError as exc:
+        print(f"pdgate validate: {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    print(result.message)
+    if result.first_violation:
+        step, viol = result.first_violation
+        print(f"invariant {viol.invariant} breaks at step {step}: {viol.detail} "
+              f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
+    return 0 if result.ok else 1
