@@ -1,0 +1,1 @@
+"""Benchmarks (``pdgate bench``): speed goals are figures here, never timed tests."""
