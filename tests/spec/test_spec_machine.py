@@ -209,3 +209,11 @@ def test_enqueue_happens_on_every_rank_and_ages_count_steps():
     assert s.steps == 2
     with pytest.raises(EventNotEnabled, match="already enqueued"):
         apply(s, Enqueue(4, 9, 9))
+
+
+def test_queues_identical_reports_several_differing_ranks():
+    from model.spec.invariants import queues_identical
+    s = initial_state(VARIANTS["gate"], 3, 2)
+    s.ranks[0].queue, s.ranks[1].queue, s.ranks[2].queue = [1, 2], [2], [1]
+    (v,) = queues_identical(s)
+    assert v.invariant == "queues_identical" and v.ranks == (0, 1, 2) and v.reqs == (1, 2)
