@@ -95,12 +95,14 @@ def _key(rank_keys: tuple, state: SystemState) -> tuple:
 def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             invariants: list[str] | None = None, max_states: int | None = None,
             room_zero: bool = False, wait_bound: int | None = None,
-            late_writes: bool = True) -> ExploreResult:
+            late_writes: bool = True, check_liveness: bool = True) -> ExploreResult:
     """Every state reachable with at most ``requests`` enqueues and ``steps`` protocol
     steps. ``wait_bound`` (default: the variant's timeout, else DEFAULT_TIMEOUT_STEPS)
     is the age past which a queued request counts as a liveness violation.
     ``late_writes=False`` drops metadata landing after its request left that rank, to
     tell failures that need a late write from those that do not.
+    ``check_liveness=False`` skips the bounded-wait check (``liveness`` stays None),
+    so a search for counterexamples stops as soon as each named invariant broke.
 
     Only Step and Enqueue change what the invariants read (queues, outcomes, ages), so
     the checks run on their successors alone; the search stops early once every named
@@ -136,11 +138,11 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             if INVARIANTS[name](state):
                 result.violations[name] = path(node)
                 pending.discard(name)
-        if result.liveness is None and bounded_wait(state, bound):
+        if check_liveness and result.liveness is None and bounded_wait(state, bound):
             result.liveness = path(node)
 
     check(0, init)
-    while frontier and (pending or result.liveness is None):
+    while frontier and (pending or (check_liveness and result.liveness is None)):
         node, state, rank_keys = frontier.popleft()
         offer = [reqs[len(state.requests)]] if len(state.requests) < requests else []
         for ev in enabled(state, offer):
