@@ -179,3 +179,37 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
     result.violations = {n: result.violations[n] for n in names if n in result.violations}
     result.seconds = time.perf_counter() - started
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m proofs.explore --variant gate --ranks 2 --requests 2 --steps 4 --slots 1``:
+    the summary, then each shortest counterexample as a scenario script."""
+    import argparse
+
+    from model.spec.scenario import script_for
+    from model.spec.variants import VARIANTS
+
+    p = argparse.ArgumentParser(prog="python -m proofs.explore", description=main.__doc__)
+    p.add_argument("--variant", choices=sorted(VARIANTS), required=True)
+    for name, default in (("ranks", 2), ("requests", 2), ("steps", 4), ("slots", 1)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--max-states", type=int, default=None)
+    p.add_argument("--room-zero", action="store_true", help="request 0 has bootstrap_room 0")
+    args = p.parse_args(argv)
+    for name in ("ranks", "requests", "steps", "slots", "max_states"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name in ("requests", "steps") else 1):
+            p.error(f"--{name.replace('_', '-')} {value} is out of range")
+    v = VARIANTS[args.variant]
+    r = explore(v, args.ranks, args.requests, args.steps, args.slots,
+                max_states=args.max_states, room_zero=args.room_zero)
+    print(r.summary())
+    found = list(r.violations.items()) + ([("bounded_wait", r.liveness)] if r.liveness else [])
+    for name, path in found:
+        print(f"\n# shortest {name} violation ({len(path)} events)")
+        print(script_for(v.name, args.ranks, args.slots, path, v.timeout_steps), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -206,6 +206,27 @@ class Scenario:
         return format_step(rec) if rec is not None else ["ok"]
 
 
+def event_command(ev: Event) -> str:
+    """The command for ``ev``: the inverse of parsing (counterexamples print as scripts)."""
+    if isinstance(ev, Enqueue):
+        return f"enqueue r{ev.req} room={ev.room} payload={ev.payload}"
+    if isinstance(ev, Step):
+        return "step"
+    if isinstance(ev, Land):
+        return f"land {ev.rank} r{ev.req} {ev.field}"
+    name = {KvDone: "kv-done", Fail: "fail", Fence: "fence"}[type(ev)]
+    return f"{name} {ev.rank} r{ev.req}"
+
+
+def script_for(variant: str, ranks: int, slots: int, events: list[Event],
+               timeout: int | None = None) -> str:
+    """A runnable script (commands only) replaying ``events`` and ending in ``check``."""
+    setup = [f"variant {variant}", f"ranks {ranks}", f"slots {slots}"]
+    if timeout is not None:
+        setup.append(f"timeout {timeout}")
+    return "\n\n".join([*setup, *map(event_command, events), "check"]) + "\n"
+
+
 def run_script(text: str) -> str:
     """The script with every block's output replaced by the spec's."""
     scenario = Scenario()

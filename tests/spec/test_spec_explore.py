@@ -152,3 +152,23 @@ def test_reductions_agree_with_a_dumb_bfs(variant, size):
     assert {k: len(v) for k, v in r.violations.items()} == shortest
     assert (None if r.liveness is None else len(r.liveness)) == live
     assert r.states <= states
+
+
+def test_counterexamples_print_as_runnable_scenario_scripts():
+    from model.spec.scenario import run_script, script_for
+    r = explore(VARIANTS["gate-noclear"], 2, 2, 2, 1, invariants=["outcomes_agree"],
+                check_liveness=False)
+    out = run_script(script_for("gate-noclear", 2, 1, r.violations["outcomes_agree"]))
+    assert "not enabled" not in out
+    assert out.rstrip().splitlines()[-3].startswith("outcomes_agree: VIOLATED")
+
+
+def test_explore_main(capsys):
+    from proofs.explore import main
+    assert main(["--variant", "ungated", "--ranks", "2", "--requests", "1", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ungated: T=2 requests=1 steps=1 slots=1:")
+    assert "# shortest queues_identical violation (5 events)" in out
+    with pytest.raises(SystemExit) as err:
+        main(["--variant", "gate", "--slots", "0"])
+    assert err.value.code == 2
