@@ -8,6 +8,12 @@ invariant gives a shortest event sequence to a violation.
 Requests are enqueued in id order (0, 1, ...) with distinct non-zero rooms and distinct
 payloads, so a payload or room read from the wrong tenant is always visible. Ids are
 labels only, so fixing their order loses no behaviour.
+
+Reductions, each keeping every invariant verdict and every shortest-path length (the
+tests compare them with a BFS that has none): ranks are interchangeable; a request
+failed on one rank has every rank's receiver value for it keyed as Failed; ages past
+every bound that reads them are capped; fences are skipped where the variant does not
+fence before reuse. Measured sizes and times: see the lead's report / bench.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ class ExploreResult:
     steps: int
     slots: int
     states: int                        # distinct states (keys) reached
-    complete: bool                     # False if max_states cut the search short
+    complete: bool                     # False if max_states cut the search short (an
+    # early stop once every check broke is complete: no verdict can change after it)
     violations: dict[str, list[Event]] = field(default_factory=dict)
     liveness: list[Event] | None = None  # shortest path to a request older than wait_bound
     wait_bound: int = DEFAULT_TIMEOUT_STEPS
