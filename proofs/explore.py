@@ -39,7 +39,7 @@ class ExploreResult:
     requests: int
     steps: int
     slots: int
-    states: int                        # distinct states (keys) reached
+    states: int                        # distinct states reached, up to the reductions
     complete: bool                     # False if max_states cut the search short (an
     # early stop once every check broke is complete: no verdict can change after it)
     violations: dict[str, list[Event]] = field(default_factory=dict)
