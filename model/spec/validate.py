@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from model.spec.events import Event, Step
+from model.spec.events import Enqueue, Event, Step
 from model.spec.invariants import INVARIANTS, Violation, check_invariants
 from model.spec.kernel import Decision
 from model.spec.machine import EventNotEnabled, StepRecord, apply
@@ -59,8 +59,9 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
     claims: list[Violation] = []
     last_line = first[0]
 
-    def fail(line: int, msg: str) -> ValidationResult:
-        return ValidationResult(False, f"line {line} (step {state.steps}): {msg}", state.steps,
+    def fail(line: int, msg: str, at: int | None = None) -> ValidationResult:
+        at = state.steps if at is None else at
+        return ValidationResult(False, f"line {line} (step {at}): {msg}", state.steps,
                                 state, line, first_violation, claims)
 
     for line, obj in records:
@@ -85,9 +86,13 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
                     return fail(line, f"step record numbered {rec.step}, spec is at step {state.steps}")
                 got = apply(state, Step())
                 diff = _diff_step(rec, got)
-                if diff:
-                    return fail(line, f"spec does not allow this step: {diff}")
+                if diff:   # name the step the record is, not the one the spec moved on to
+                    return fail(line, f"spec does not allow this step: {diff}", rec.step)
             else:
+                if not isinstance(rec, Enqueue) and rec.req not in state.requests:
+                    # Input error, not a protocol verdict: no state could allow it.
+                    raise TraceFormatError(line, f"{event_record(rec)['kind']}: request "
+                                                 f"{rec.req} was never enqueued")
                 got = apply(state, rec)
         except EventNotEnabled as exc:
             return fail(line, f"spec does not allow {_show(rec)}: {exc}")
