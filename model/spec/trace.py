@@ -12,7 +12,7 @@ from model.spec.invariants import Violation
 from model.spec.kernel import Decision
 from model.spec.kvpoll import POLL_VALUES
 from model.spec.machine import RankStep, StepRecord
-from model.spec.variants import VARIANTS
+from model.spec.variants import ABLATIONS, VARIANTS
 
 FORMAT, VERSION = "pdgate-trace", 1
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
@@ -112,7 +112,7 @@ def parse_header(obj: dict, line: int) -> Header:
         raise TraceFormatError(line, f"first record must be a {FORMAT} header")
     if obj.get("version") != VERSION:
         raise TraceFormatError(line, f"unsupported trace version {obj.get('version')!r}")
-    if obj.get("variant") not in VARIANTS:
+    if obj.get("variant") not in VARIANTS and obj.get("variant") not in ABLATIONS:
         raise TraceFormatError(line, f"unknown variant {obj.get('variant')!r}")
     timeout = obj.get("timeout_steps")
     if timeout is not None:

@@ -53,7 +53,7 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
         raise TraceFormatError(1, "empty trace (no header)")
     header = parse_header(first[1], first[0])
     name = variant or header.variant
-    v = get_variant(name, header.timeout_steps if VARIANTS[name].timeout_steps else None)
+    v = get_variant(name, header.timeout_steps if get_variant(name).timeout_steps else None)
     state = initial_state(v, header.ranks, header.slots)
     first_violation = None
     claims: list[Violation] = []
