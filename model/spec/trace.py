@@ -69,9 +69,12 @@ class TraceWriter:
     def step(self, rec: StepRecord, t: float | None = None) -> None:
         self._write(step_record(rec), t)
 
-    def violation(self, v: Violation, step: int) -> None:
-        self._write({"kind": "violation", "invariant": v.invariant, "step": step,
-                     "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail})
+    def violation(self, v: Violation, step: int, bound: int | None = None) -> None:
+        rec = {"kind": "violation", "invariant": v.invariant, "step": step,
+               "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail}
+        if bound is not None:      # bounded_wait: the number of steps exceeded
+            rec["bound"] = bound
+        self._write(rec)
 
     def end(self, steps: int) -> None:
         self._write({"kind": "end", "steps": steps})
