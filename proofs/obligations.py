@@ -44,8 +44,9 @@ PROVED: dict[str, tuple[str, ...]] = {
     "gate": ("queues_identical", "exactly_once"),
     "strict": SAFETY_NAMES,
 }
+RELATIONAL = ("queues_identical", "outcomes_agree")   # compare ranks: need T >= 2
 ALL_VARIANTS: dict[str, Variant] = {**VARIANTS, **ABLATIONS}
-MAX_RANKS, MAX_REQS, MAX_DEPTH = 2, 2, 10
+MAX_RANKS, MAX_REQS, MAX_DEPTH = 2, 2, 9
 
 
 @dataclass
@@ -88,12 +89,22 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
                    + (f"; with lemmas {lemmas}" if lemmas else ""))
 
 
-def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int) -> BmcResult | None:
-    """Fewest ranks, then requests, then slots, then transitions (within the bounds)."""
-    for ranks in range(1, MAX_RANKS + 1):
+def proved_facts(variant: str) -> list[str]:
+    """Invariants this run proves for the variant (unbounded): assumed on every
+    unrolled frame to prune the bounded search (sound: they hold in every reachable state)."""
+    if variant not in PROVED:
+        return []
+    return sorted({n for inv in PROVED[variant] for n in BUNDLES[inv]} | set(SLOT_LEMMAS))
+
+
+def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
+    """Fewest ranks, then requests, then slots, then transitions (within the bounds).
+    ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them."""
+    assume = proved_facts(variant.name)
+    for ranks in range(first_ranks, MAX_RANKS + 1):
         for reqs in range(1, MAX_REQS + 1):
             for slots in range(1, reqs + 1):
-                res = bmc(variant, Sizes(ranks, reqs, slots), goal, MAX_DEPTH, timeout_ms)
+                res = bmc(variant, Sizes(ranks, reqs, slots), goal, MAX_DEPTH, timeout_ms, assume)
                 if res.status != "unsat":
                     return res
     return None
@@ -105,9 +116,9 @@ def _trace_path(ob: Obligation, st: Settings) -> Path:
 
 
 def _found(ob: Obligation, st: Settings, goal: Goal, export: Callable[..., str | None],
-           what: str) -> Outcome:
+           what: str, first_ranks: int = 1) -> Outcome:
     v = ALL_VARIANTS[ob.variant]
-    res = minimal_bmc(v, goal, st.timeout_ms)
+    res = minimal_bmc(v, goal, st.timeout_ms, first_ranks)
     bound = f"T<={MAX_RANKS}, N<={MAX_REQS}, {MAX_DEPTH} events"
     if res is None:
         return Outcome("none found", f"no {what} within {bound}")
@@ -128,7 +139,7 @@ def _counterexample(ob: Obligation, st: Settings) -> Outcome:
     inv = ob.arg
     return _found(ob, st, violates(inv),
                   lambda v, t, s, steps, path, note: export_violation(v, t, s, steps, inv, path, note),
-                  f"violation of {inv}")
+                  f"violation of {inv}", 2 if inv in RELATIONAL else 1)
 
 
 def _lasso(ob: Obligation, st: Settings) -> Outcome:

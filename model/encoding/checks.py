@@ -105,7 +105,9 @@ class BmcResult:
 class Unrolling:
     """An incremental unrolling of the finite transition relation from the initial states."""
 
-    def __init__(self, variant: Variant, sizes: Sizes, timeout_ms: int = 20_000):
+    def __init__(self, variant: Variant, sizes: Sizes, timeout_ms: int = 20_000,
+                 assume: Sequence[str] = ()):
+        self.assume = list(assume)      # proved invariants: prune every frame with them
         self.ctx = Ctx(variant, sizes)
         self.solver = Solver(timeout_ms)
         s0 = self.ctx.declare_state("@0")
@@ -132,6 +134,8 @@ class Unrolling:
                 for b, f in changed:
                     value = z3.If(b, f(*xs), value)
                 self.solver.add(getattr(nxt, name)(*xs) == value)
+        if self.assume:
+            self.solver.add(conj(ctx, nxt, self.assume))
         self.frames.append(nxt)
         self.choices.append(list(zip(sels, acts)))
         if len(self.choices) > 1:
@@ -192,11 +196,11 @@ class Unrolling:
 
 
 def bmc(variant: Variant, sizes: Sizes, goal: Goal, max_depth: int,
-        timeout_ms: int = 20_000) -> BmcResult:
+        timeout_ms: int = 20_000, assume: Sequence[str] = ()) -> BmcResult:
     """The shortest unrolling (at most ``max_depth`` transitions) that reaches ``goal``."""
     import time
     t0 = time.perf_counter()
-    u = Unrolling(variant, sizes, timeout_ms)
+    u = Unrolling(variant, sizes, timeout_ms, assume)
     for depth in range(1, max_depth + 1):
         u.extend()
         status, steps = u.check(goal)
@@ -210,7 +214,7 @@ def violates(name: str) -> Goal:
     return lambda ctx, s: z3.Not(PREDICATES[name](ctx, s))
 
 
-def stutter_goal(extra: Goal | None = None) -> Goal:
+def stutter_goal(extra: Callable[[Ctx, State, Any], z3.BoolRef] | None = None) -> Goal:
     """A lasso for liveness: some request is queued on every rank with every receiver
     Success, and the protocol step from here changes nothing but ages (and the clock),
     so with no timeout (ages enter no decision) stepping forever never removes it."""
@@ -223,7 +227,7 @@ def stutter_goal(extra: Goal | None = None) -> Goal:
             for xs in itertools.product(*(ctx.elems[x] for x in args)):
                 same.append(getattr(a.post, name)(*xs) == getattr(s, name)(*xs))
         stuck = z3.Or([z3.And([z3.And(s.inq(k, r), s.recv(k, r) == 4) for k in ctx.elems["Rank"]]
-                              + ([extra(ctx, s)] if extra else []))
+                              + ([extra(ctx, s, r)] if extra else []))
                        for r in ctx.elems["Req"]])
         return z3.And(a.guard, *a.side, stuck, *same)
     return goal
