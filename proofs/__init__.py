@@ -1,0 +1,1 @@
+"""Proof obligations, the explicit-state explorer and `pdgate prove`."""

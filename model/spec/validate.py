@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from model.spec.events import Event, Step
+from model.spec.events import Enqueue, Event, Step
 from model.spec.invariants import INVARIANTS, Violation, bounded_wait, check_invariants
 from model.spec.kernel import Decision
 from model.spec.machine import EventNotEnabled, StepRecord, apply
@@ -91,6 +91,10 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
                 if diff:
                     return fail(line, f"spec does not allow this step: {diff}")
             else:
+                if not isinstance(rec, Enqueue) and rec.req not in state.requests:
+                    # Input error, not a protocol verdict: no state could allow it.
+                    raise TraceFormatError(line, f"{event_record(rec)['kind']}: request "
+                                                 f"{rec.req} was never enqueued")
                 got = apply(state, rec)
         except EventNotEnabled as exc:
             return fail(line, f"spec does not allow {_show(rec)}: {exc}")
