@@ -96,8 +96,14 @@ def _set_at(f: Callable[..., Any], k0: Any, a0: Any, value: Any) -> Callable[...
     return lambda k, a: z3.If(z3.And(k == k0, a == a0), value, f(k, a))
 
 
-def enqueue(ctx: Ctx, s: State) -> Action:
-    r0 = ctx.fresh("enq_req", "Req")
+def _params(ctx: Ctx, name: str, k0: Any, r0: Any) -> tuple[Any, Any]:
+    """The event's rank and request: given (a ground instance) or fresh constants."""
+    return (ctx.fresh(f"{name}_rank", "Rank") if k0 is None else k0,
+            ctx.fresh(f"{name}_req", "Req") if r0 is None else r0)
+
+
+def enqueue(ctx: Ctx, s: State, r0: Any = None) -> Action:
+    r0 = ctx.fresh("enq_req", "Req") if r0 is None else r0
     pick = ctx.fresh_fn("pick", "Rank", "Slot")
 
     def slot_ok(k: Any) -> Any:
@@ -122,19 +128,19 @@ def enqueue(ctx: Ctx, s: State) -> Action:
     return Action("enqueue", {"req": r0, "pick": pick}, guard, _tick(post))
 
 
-def receiver(ctx: Ctx, s: State, name: str, value: int) -> Action:
+def receiver(ctx: Ctx, s: State, name: str, value: int, k0: Any = None, r0: Any = None) -> Action:
     """kv_done (Success) or fail (Failed): latches a queued, unlatched receiver."""
-    k0, r0 = ctx.fresh(f"{name}_rank", "Rank"), ctx.fresh(f"{name}_req", "Req")
+    k0, r0 = _params(ctx, name, k0, r0)
     rv = s.recv(k0, r0)
     guard = z3.And(ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.inq(k0, r0),
                    rv != SUCCESS, rv != FAILED)
     return Action(name, {"rank": k0, "req": r0}, guard, _tick(s.but(recv=_set_at(s.recv, k0, r0, value))))
 
 
-def land(ctx: Ctx, s: State, field_name: str) -> Action:
+def land(ctx: Ctx, s: State, field_name: str, k0: Any = None, r0: Any = None) -> Action:
     """One field of r0's row becomes visible on rank k0, in the slot k0 gave r0 (which
     may have been freed and reused since: a late write)."""
-    k0, r0 = ctx.fresh("land_rank", "Rank"), ctx.fresh("land_req", "Req")
+    k0, r0 = _params(ctx, "land", k0, r0)
     room = field_name == "room"
     bit = s.lr if room else s.lp
     guard = [ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.enq(r0), z3.Not(bit(k0, r0)),
@@ -150,9 +156,9 @@ def land(ctx: Ctx, s: State, field_name: str) -> Action:
                   _writes_done(ctx, mid, k0, r0))
 
 
-def fence(ctx: Ctx, s: State) -> Action:
+def fence(ctx: Ctx, s: State, k0: Any = None, r0: Any = None) -> Action:
     """Prefill acknowledged r0's abort on rank k0: nothing of r0 is in flight any more."""
-    k0, r0 = ctx.fresh("fence_rank", "Rank"), ctx.fresh("fence_req", "Req")
+    k0, r0 = _params(ctx, "fence", k0, r0)
     guard = z3.And(ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.enq(r0), s.dec(k0, r0),
                    z3.Not(s.fen(k0, r0)), z3.Not(z3.And(s.lr(k0, r0), s.lp(k0, r0))))
     mid = s.but(fen=_set_at(s.fen, k0, r0, True))
@@ -196,3 +202,15 @@ def actions(ctx: Ctx, s: State) -> list[Action]:
     """Every action from pre-state ``s``, in ACTION_NAMES order (fresh parameters each call)."""
     return [enqueue(ctx, s), receiver(ctx, s, "kv_done", SUCCESS), receiver(ctx, s, "fail", FAILED),
             land(ctx, s, "room"), land(ctx, s, "payload"), fence(ctx, s), protocol_step(ctx, s)]
+
+
+def ground_actions(ctx: Ctx, s: State) -> list[Action]:
+    """Finite only: one action per event instance (parameters are elements), so Z3's
+    simplifier folds every comparison of a parameter with an element."""
+    ranks, reqs = ctx.elems["Rank"], ctx.elems["Req"]
+    out = [enqueue(ctx, s, r) for r in reqs]
+    for k in ranks:
+        for r in reqs:
+            out += [receiver(ctx, s, "kv_done", SUCCESS, k, r), receiver(ctx, s, "fail", FAILED, k, r),
+                    land(ctx, s, "room", k, r), land(ctx, s, "payload", k, r), fence(ctx, s, k, r)]
+    return out + [protocol_step(ctx, s)]

@@ -50,7 +50,6 @@ SIGNATURE: dict[str, tuple[tuple[str, ...], str]] = {
     "clock": ((), "Int"),                   # transitions so far (for stamps)
 }
 
-ROOM_MAX, PAYLOAD_MIN, PAYLOAD_MAX = 2**64 - 1, -2**31, 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -129,9 +128,12 @@ class Ctx:
         if sizes is not None:
             for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
                 self.elems[name] = [z3.IntVal(i) for i in range(n)]
+            # Rooms and payloads are only compared with each other and with 0, so the
+            # values 0..N realise every pattern of equalities: no behaviour is lost.
+            n = sizes.reqs
             for i, r in enumerate(self.elems["Req"]):
-                self.axioms += [self.idx(r) == i, self.room(r) >= 0, self.room(r) <= ROOM_MAX,
-                                self.payload(r) >= PAYLOAD_MIN, self.payload(r) <= PAYLOAD_MAX]
+                self.axioms += [self.idx(r) == i, self.room(r) >= 0, self.room(r) <= n,
+                                self.payload(r) >= 0, self.payload(r) <= n]
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, name: str, sort: str) -> z3.ExprRef:
