@@ -54,7 +54,7 @@ def _random_states(variant, n_states, seed):
     for _ in range(n_states):
         state, nxt = initial_state(variant, RANKS, SLOTS), 0
         for _ in range(rng.randrange(0, 14)):
-            offer = [Enqueue(nxt, rng.choice((0, 5, 9)), rng.choice((1, 2)))] if nxt < REQS else []
+            offer = [Enqueue(nxt, rng.choice((0, 2, 3)), rng.choice((1, 2)))] if nxt < REQS else []
             ev = rng.choice(enabled(state, offer))
             state, _ = step(state, ev)
             nxt += isinstance(ev, Enqueue)
@@ -64,7 +64,7 @@ def _random_states(variant, n_states, seed):
 def _ground_events(next_req, rng):
     evs = [Step()]
     if next_req < REQS:
-        evs.append(Enqueue(next_req, rng.choice((0, 5, 9)), rng.choice((1, 2))))
+        evs.append(Enqueue(next_req, rng.choice((0, 2, 3)), rng.choice((1, 2))))
     for k in range(RANKS):
         for r in range(REQS):
             evs += [KvDone(k, r), Fail(k, r), Land(k, r, ROOM), Land(k, r, PAYLOAD), Fence(k, r)]
