@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from model.encoding.checks import Step as BmcStep
+from model.encoding.checks import Move
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import bounded_wait, check_invariants
 from model.spec.machine import apply
@@ -21,7 +21,7 @@ class ReplayMismatch(Exception):
     """The concrete spec does not do what the encoding predicted (an encoding bug)."""
 
 
-def to_events(steps: Sequence[BmcStep]) -> list[Event]:
+def to_events(steps: Sequence[Move]) -> list[Event]:
     out: list[Event] = []
     for st in steps:
         a = st.args
@@ -63,7 +63,7 @@ class _Replay:
         self.fp.close()
 
 
-def export_violation(variant: Variant, ranks: int, slots: int, steps: Sequence[BmcStep],
+def export_violation(variant: Variant, ranks: int, slots: int, steps: Sequence[Move],
                      invariant: str, path: Path, note: str) -> str:
     """Replay; the invariant must break exactly after the last event. Returns its detail."""
     rp = _Replay(variant, ranks, slots, path, note)
@@ -82,7 +82,7 @@ def export_violation(variant: Variant, ranks: int, slots: int, steps: Sequence[B
         rp.close()
 
 
-def export_lasso(variant: Variant, ranks: int, slots: int, steps: Sequence[BmcStep],
+def export_lasso(variant: Variant, ranks: int, slots: int, steps: Sequence[Move],
                  path: Path, note: str, bound: int = DEFAULT_TIMEOUT_STEPS) -> str:
     """Replay to the lasso state, then check concretely that a protocol step changes
     nothing but ages, and step until some request has waited more than ``bound`` steps
@@ -107,7 +107,7 @@ def export_lasso(variant: Variant, ranks: int, slots: int, steps: Sequence[BmcSt
         rp.close()
 
 
-def export_witness(variant: Variant, ranks: int, slots: int, steps: Sequence[BmcStep],
+def export_witness(variant: Variant, ranks: int, slots: int, steps: Sequence[Move],
                    path: Path, note: str) -> None:
     """A reachability witness (non-vacuity): just the replayed trace."""
     rp = _Replay(variant, ranks, slots, path, note)

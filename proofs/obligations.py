@@ -79,9 +79,9 @@ class Obligation:
 
 # -- checks -------------------------------------------------------------------------------
 def _inductive(ob: Obligation, st: Settings) -> Outcome:
-    log = prove_inductive(ALL_VARIANTS[ob.variant], BUNDLES.get(ob.arg, SLOT_LEMMAS), st.timeout_ms)
-    bad = log.failures("unsat")
     names = BUNDLES.get(ob.arg, SLOT_LEMMAS)
+    log = prove_inductive(ALL_VARIANTS[ob.variant], names, st.timeout_ms)
+    bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
         return Outcome("not inductive", "; ".join(bad))

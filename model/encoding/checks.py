@@ -3,6 +3,7 @@ vacuity) and ``bmc`` (bounded unrolling on a finite instance)."""
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -87,7 +88,7 @@ def premises(variant: Variant, names: Sequence[str], sizes: Sizes = Sizes(2, 2, 
 
 # -- bounded model checking -----------------------------------------------------------------
 @dataclass
-class Step:
+class Move:
     """One unrolled transition of a bmc model: the action and its decoded arguments."""
     action: str
     args: dict[str, int]
@@ -97,7 +98,7 @@ class Step:
 class BmcResult:
     sizes: Sizes
     depth: int | None               # transitions to the goal, None if not within the bound
-    steps: list[Step]
+    steps: list[Move]
     seconds: float
     status: str                     # "sat", "unsat" (no goal within the bound) or "unknown"
 
@@ -180,13 +181,13 @@ class Unrolling:
             z3.Implies(z3.And(any_of(prev, rest), any_of(cur, rest)),
                        pick(prev, rest, "rank") <= pick(cur, rest, "rank")))
 
-    def check(self, goal: Goal) -> tuple[str, list[Step]]:
+    def check(self, goal: Goal) -> tuple[str, list[Move]]:
         with self.solver.frame():
             self.solver.add(goal(self.ctx, self.frames[-1]))
             res = self.solver.check()
             return res.status, (self._decode(res.model) if res.model is not None else [])
 
-    def _decode(self, model: z3.ModelRef) -> list[Step]:
+    def _decode(self, model: z3.ModelRef) -> list[Move]:
         ctx = self.ctx
 
         def element(term: z3.ExprRef, sort: str) -> int:
@@ -203,14 +204,13 @@ class Unrolling:
                 r = a.params["req"]
                 args["room"] = model.eval(ctx.room(r), model_completion=True).as_long()
                 args["payload"] = model.eval(ctx.payload(r), model_completion=True).as_long()
-            out.append(Step(a.name, args))
+            out.append(Move(a.name, args))
         return out
 
 
 def bmc(variant: Variant, sizes: Sizes, goal: Goal, max_depth: int,
         timeout_ms: int = 20_000, assume: Sequence[str] = ()) -> BmcResult:
     """The shortest unrolling (at most ``max_depth`` transitions) that reaches ``goal``."""
-    import time
     t0 = time.perf_counter()
     u = Unrolling(variant, sizes, timeout_ms, assume)
     for depth in range(1, max_depth + 1):
