@@ -106,7 +106,7 @@ def test_encoded_events_match_the_spec(name):
     variant = ALL[name]
     rng = random.Random(name)
     checked = 0
-    for state, next_req in _random_states(variant, 12, hash(name) % 1000):
+    for state, next_req in _random_states(variant, 8, sum(map(ord, name))):
         ctx = Ctx(variant, Sizes(RANKS, REQS, SLOTS))
         s = ctx.declare_state("")
         for ev in _ground_events(next_req, rng):
@@ -152,7 +152,7 @@ def test_encoded_events_match_the_spec(name):
                           for x in free}
                 assert sorted(free, key=stamps.get) == rs.free, (name, ev, k)
             checked += 1
-    assert checked > 50
+    assert checked > 20
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
