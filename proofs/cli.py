@@ -112,13 +112,22 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
     if jobs == 1:
         return [run_obligation(o, settings) for o in obs]
     keys = [o.key for o in obs]
-    # Longest first (unrollings), so the workers finish together.
-    order = sorted(range(len(obs)), key=lambda i: not obs[i].obligation.startswith(("cex", "liveness", "nonvac", "bmc")))
+    # Longest first, so the workers finish together.
+    order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))
     results: list[Outcome | None] = [None] * len(obs)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("fork")) as pool:
         for i, out in pool.map(_run_one, [(i, settings, keys) for i in order]):
             results[i] = out
     return [r for r in results if r is not None]
+
+
+def _cost_rank(o: Obligation) -> int:
+    """Rough cost order: two-request unrollings, explicit search, other unrollings, proofs."""
+    if o.obligation == "cex:outcomes_agree" and o.variant != "ungated":
+        return 0
+    if o.obligation.startswith(("bmc-crosscheck", "cex:")):
+        return 1
+    return 2 if not o.unbounded else 3
 
 
 def _print_table(rows: list[dict]) -> None:
