@@ -21,7 +21,7 @@ import z3
 from model.encoding.checks import (BmcResult, Goal, bmc, premises, prove_inductive,
                                    stutter_goal, violates)
 from model.encoding.vocab import Sizes, Z3OPS
-from model.spec.kernel import gated_poll
+from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
 from model.spec.variants import ABLATIONS, VARIANTS, Variant
 from proofs.export import ReplayMismatch, export_lasso, export_violation, export_witness
 
@@ -155,9 +155,9 @@ def _commit_goal(c, s) -> z3.BoolRef:
 
 
 def _gate_holds_goal(c, s) -> z3.BoolRef:
-    return z3.Or([z3.And(s.inq(k, r), s.recv(k, r) == 4,
+    return z3.Or([z3.And(s.inq(k, r), s.recv(k, r) == SUCCESS,
                          gated_poll(c.variant, s.recv(k, r), s.seen(k, r), c.room(r), s.age(k, r),
-                                    Z3OPS) == 3)
+                                    Z3OPS) == TRANSFERRING)
                   for k in c.elems["Rank"] for r in c.elems["Req"]])
 
 
