@@ -107,3 +107,13 @@ def test_list_names_every_obligation(capsys):
     assert main(["prove", "--list", "--variant", "strict"]) == 0
     out = capsys.readouterr().out
     assert "safety:no_corruption" in out and "ungated" not in out
+
+
+def test_a_result_that_differs_from_its_expectation_exits_1(monkeypatch, capsys, tmp_path):
+    import proofs.cli
+    from proofs.obligations import Obligation, _inductive
+    wrong = Obligation("safety:queues_identical", "ungated", "proved", True, _inductive, "queues_identical")
+    monkeypatch.setattr(proofs.cli, "obligations", lambda: [wrong])
+    assert main(["prove", "--jobs", "1", "--traces", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "not inductive  <-- UNEXPECTED" in out and "step: sat" in out
