@@ -8,8 +8,7 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from multiprocessing import TimeoutError, get_context
 from pathlib import Path
 from typing import NoReturn
 
@@ -87,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     outcomes = _execute(obs, settings, args.jobs)
     wall = time.perf_counter() - t0
+    if outcomes is None:
+        print(f"{err}workers did not finish within {SUITE_DEADLINE_S:.0f} s; stopped them", file=sys.stderr)
+        return 1
     rows, failed = [], 0
     for o, out in zip(obs, outcomes):
         ok = out.result == o.expected
@@ -108,16 +110,25 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outcome]:
+SUITE_DEADLINE_S = 900.0   # the suite takes seconds; this long means a worker is stuck
+
+
+def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outcome] | None:
+    """Run the obligations (in ``jobs`` forked workers); None if the deadline passed."""
     if jobs == 1:
         return [run_obligation(o, settings) for o in obs]
     keys = [o.key for o in obs]
-    # Longest first, so the workers finish together.
-    order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))
+    order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))   # longest first
     results: list[Outcome | None] = [None] * len(obs)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("fork")) as pool:
-        for i, out in pool.map(_run_one, [(i, settings, keys) for i in order]):
-            results[i] = out
+    deadline = time.monotonic() + SUITE_DEADLINE_S
+    with get_context("fork").Pool(jobs) as pool:     # leaving the block terminates workers
+        it = pool.imap_unordered(_run_one, [(i, settings, keys) for i in order])
+        try:
+            for _ in order:
+                i, out = it.next(timeout=max(deadline - time.monotonic(), 0.0))
+                results[i] = out
+        except TimeoutError:
+            return None
     return [r for r in results if r is not None]
 
 

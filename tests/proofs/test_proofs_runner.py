@@ -117,3 +117,11 @@ def test_a_result_that_differs_from_its_expectation_exits_1(monkeypatch, capsys,
     assert main(["prove", "--jobs", "1", "--traces", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "not inductive  <-- UNEXPECTED" in out and "step: sat" in out
+
+
+def test_stuck_workers_are_stopped_at_the_deadline(monkeypatch, capsys, tmp_path):
+    import proofs.cli
+    monkeypatch.setattr(proofs.cli, "SUITE_DEADLINE_S", 0.2)
+    assert main(["prove", "--only", "cex:outcomes_agree", "--traces", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "did not finish" in err
