@@ -12,7 +12,7 @@ from model.spec.invariants import Violation
 from model.spec.kernel import Decision
 from model.spec.kvpoll import POLL_VALUES
 from model.spec.machine import RankStep, StepRecord
-from model.spec.variants import VARIANTS
+from model.spec.variants import ABLATIONS, VARIANTS
 
 FORMAT, VERSION = "pdgate-trace", 1
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
@@ -69,9 +69,12 @@ class TraceWriter:
     def step(self, rec: StepRecord, t: float | None = None) -> None:
         self._write(step_record(rec), t)
 
-    def violation(self, v: Violation, step: int) -> None:
-        self._write({"kind": "violation", "invariant": v.invariant, "step": step,
-                     "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail})
+    def violation(self, v: Violation, step: int, bound: int | None = None) -> None:
+        rec = {"kind": "violation", "invariant": v.invariant, "step": step,
+               "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail}
+        if bound is not None:      # bounded_wait: the number of steps exceeded
+            rec["bound"] = bound
+        self._write(rec)
 
     def end(self, steps: int) -> None:
         self._write({"kind": "end", "steps": steps})
@@ -112,7 +115,7 @@ def parse_header(obj: dict, line: int) -> Header:
         raise TraceFormatError(line, f"first record must be a {FORMAT} header")
     if obj.get("version") != VERSION:
         raise TraceFormatError(line, f"unsupported trace version {obj.get('version')!r}")
-    if obj.get("variant") not in VARIANTS:
+    if obj.get("variant") not in VARIANTS and obj.get("variant") not in ABLATIONS:
         raise TraceFormatError(line, f"unknown variant {obj.get('variant')!r}")
     timeout = obj.get("timeout_steps")
     if timeout is not None:

@@ -5,7 +5,7 @@ Each field is one design decision from SGLang's history (see docs/ARCHITECTURE.m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -72,17 +72,25 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+# strict minus one mechanism each: the proofs show every mechanism is needed, and
+# their counterexample traces name these variants so that validate can replay them.
+ABLATIONS: dict[str, Variant] = {
+    name: replace(VARIANTS["strict"], name=name, **change)
+    for name, change in (("strict-no-fence", {"fence_before_reuse": False}),
+                         ("strict-no-room-order", {"room_after_payload": False}),
+                         ("strict-no-timeout", {"timeout_steps": None}))
+}
+
+
 def get_variant(name: str, timeout_steps: int | None = None) -> Variant:
-    """Look a variant up by name; ``timeout_steps`` overrides strict's bound."""
-    try:
-        variant = VARIANTS[name]
-    except KeyError:
-        raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})") from None
+    """Look a variant (or an ablation) up by name; ``timeout_steps`` overrides strict's bound."""
+    variant = VARIANTS.get(name) or ABLATIONS.get(name)
+    if variant is None:
+        raise ValueError(f"unknown variant {name!r} (known: {', '.join([*VARIANTS, *ABLATIONS])})")
     if timeout_steps is not None:
         if variant.timeout_steps is None:
             raise ValueError(f"variant {name!r} has no timeout to override")
         if timeout_steps < 1:
             raise ValueError(f"timeout_steps must be >= 1, got {timeout_steps}")
-        from dataclasses import replace
         variant = replace(variant, timeout_steps=timeout_steps)
     return variant

@@ -1,0 +1,34 @@
+"""Wall time of the whole ``pdgate prove`` suite (goal: under 30 s on the 2-core CI
+machine), and the slowest obligation. ``quick`` runs the unbounded proofs only."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+from model.cli import main
+
+TARGETS = {"prove_suite_wall_seconds": ("<=", 30.0)}
+
+
+def run(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "r.json")
+        argv = ["prove", "--json", path, "--traces", os.path.join(tmp, "traces")]
+        if quick:
+            argv += ["--only", "safety:", "--only", "lemma:"]
+        t0 = time.perf_counter()
+        code = main(argv)
+        wall = time.perf_counter() - t0
+        with open(path, encoding="utf-8") as fp:
+            rows = json.load(fp)
+    slowest = max(rows, key=lambda r: r["seconds"])
+    key = "prove_quick_wall_seconds" if quick else "prove_suite_wall_seconds"
+    return {key: round(wall, 2), "obligations": len(rows),
+            "as_expected": sum(r["result"] == r["expected"] for r in rows), "exit_status": code,
+            "unbounded_proofs": sum(r["unbounded"] and r["result"] == "proved" for r in rows),
+            "counterexamples": sum(r["result"] == "counterexample" for r in rows),
+            "sum_obligation_seconds": round(sum(r["seconds"] for r in rows), 2),
+            "slowest_obligation": f"{slowest['obligation']}@{slowest['variant']}",
+            "slowest_seconds": slowest["seconds"]}

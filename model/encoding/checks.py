@@ -1,0 +1,245 @@
+"""The checking API: ``check_init``, ``check_step`` (consecution), ``premises`` (non-
+vacuity) and ``bmc`` (bounded unrolling on a finite instance)."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import z3
+
+from model.spec.variants import Variant
+from model.encoding.actions import ACTION_NAMES, Action, actions, ground_actions, init, protocol_step
+from model.encoding.invariants import PREDICATES
+from model.encoding.solver import CheckResult, Solver
+from model.encoding.vocab import SIGNATURE, Ctx, Sizes, State
+
+Goal = Callable[[Ctx, State], z3.BoolRef]
+
+
+def conj(ctx: Ctx, s: State, names: Sequence[str]) -> z3.BoolRef:
+    return z3.And([PREDICATES[n](ctx, s) for n in names])
+
+
+@dataclass
+class QueryLog:
+    """Per-query results of one obligation: (label, CheckResult)."""
+    queries: list[tuple[str, CheckResult]] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for _, r in self.queries)
+
+    def failures(self, want: str) -> list[str]:
+        return [f"{label}: {r.status}{' (' + r.reason + ')' if r.reason else ''}"
+                for label, r in self.queries if r.status != want]
+
+
+def check_init(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000) -> CheckResult:
+    """Unbounded: every initial state satisfies the conjunction (expect unsat)."""
+    ctx = Ctx(variant)
+    s = ctx.declare_state("")
+    solver = Solver(timeout_ms)
+    solver.add(init(ctx, s), z3.Not(conj(ctx, s, names)))
+    return solver.check()
+
+
+def check_step(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000,
+               only: Sequence[str] = ACTION_NAMES) -> QueryLog:
+    """Unbounded consecution, one query per action: the conjunction before the action
+    and its negation after it is unsat for every action."""
+    ctx = Ctx(variant)
+    s = ctx.declare_state("")
+    solver = Solver(timeout_ms)
+    solver.add(conj(ctx, s, names))
+    log = QueryLog()
+    for a in actions(ctx, s):
+        if a.name not in only:
+            continue
+        with solver.frame():
+            solver.add(a.guard, *a.side, z3.Not(conj(ctx, a.post, names)))
+            log.queries.append((a.name, solver.check()))
+    return log
+
+
+def prove_inductive(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000) -> QueryLog:
+    log = check_step(variant, names, timeout_ms)
+    log.queries.insert(0, ("init", check_init(variant, names, timeout_ms)))
+    return log
+
+
+def premises(variant: Variant, names: Sequence[str], sizes: Sizes = Sizes(2, 2, 2),
+             timeout_ms: int = 20_000) -> QueryLog:
+    """Non-vacuity: for every action, the conjunction and the action's guard hold
+    together in some state (a finite structure with exactly ``sizes`` elements, which
+    is a model of the unbounded premises). Expect sat."""
+    ctx = Ctx(variant, sizes)
+    s = ctx.declare_state("")
+    solver = Solver(timeout_ms)
+    solver.add(*ctx.axioms, *ctx.well_formed(s), conj(ctx, s, names))
+    log = QueryLog()
+    for a in actions(ctx, s):
+        with solver.frame():
+            solver.add(a.guard, *a.side)
+            log.queries.append((a.name, solver.check()))
+    return log
+
+
+# -- bounded model checking -----------------------------------------------------------------
+@dataclass
+class Move:
+    """One unrolled transition of a bmc model: the action and its decoded arguments."""
+    action: str
+    args: dict[str, int]
+
+
+@dataclass
+class BmcResult:
+    sizes: Sizes
+    depth: int | None               # transitions to the goal, None if not within the bound
+    steps: list[Move]
+    seconds: float
+    status: str                     # "sat", "unsat" (no goal within the bound) or "unknown"
+
+
+def _ground_name(a: Action) -> str:
+    return "".join(f"_{v}" for k, v in sorted(a.params.items()) if k in ("rank", "req"))
+
+
+class Unrolling:
+    """An incremental unrolling of the finite transition relation from the initial states."""
+
+    def __init__(self, variant: Variant, sizes: Sizes, timeout_ms: int = 20_000,
+                 assume: Sequence[str] = ()):
+        self.assume = list(assume)      # proved invariants: prune every frame with them
+        self.ctx = Ctx(variant, sizes)
+        self.solver = Solver(timeout_ms)
+        s0 = self.ctx.declare_state("@0")
+        self.frames = [s0]
+        self.choices: list[list[tuple[z3.BoolRef, Action]]] = []
+        self.solver.add(*self.ctx.axioms, *self.ctx.well_formed(s0), init(self.ctx, s0))
+
+    def extend(self) -> None:
+        ctx, s = self.ctx, self.frames[-1]
+        i = len(self.frames) - 1
+        nxt = ctx.declare_state(f"@{i + 1}")
+        acts = ground_actions(ctx, s)
+        sels = [z3.Bool(f"sel_{a.name}{_ground_name(a)}@{i}") for a in acts]
+        self.solver.add(z3.PbEq([(b, 1) for b in sels], 1))
+        for b, a in zip(sels, acts):
+            if a.name == "fence" and not ctx.variant.fence_before_reuse:
+                # Without fence_before_reuse a fence only disables later lands: dropping
+                # it (and those lands) gives a shorter run agreeing on every invariant.
+                self.solver.add(z3.Not(b))
+            else:
+                self.solver.add(z3.Implies(b, z3.simplify(z3.And(a.guard, *a.side))))
+        # The next frame: one If-chain per function value over the actions that change it.
+        for name, (args, _) in SIGNATURE.items():
+            before = getattr(s, name)
+            changed = [(b, getattr(a.post, name)) for b, a in zip(sels, acts)
+                       if getattr(a.post, name) is not before]
+            for xs in itertools.product(*(ctx.elems[x] for x in args)):
+                old = z3.simplify(before(*xs))
+                value = old
+                for b, f in changed:
+                    term = z3.simplify(f(*xs))
+                    if not term.eq(old):
+                        value = z3.If(b, term, value)
+                self.solver.add(getattr(nxt, name)(*xs) == value)
+        if self.assume:
+            self.solver.add(conj(ctx, nxt, self.assume))
+        self.frames.append(nxt)
+        self.choices.append(list(zip(sels, acts)))
+        if len(self.choices) > 1:
+            self.solver.add(self._canonical_order(self.choices[-2], self.choices[-1]))
+
+    @staticmethod
+    def _canonical_order(prev: list[tuple[z3.BoolRef, Action]],
+                         cur: list[tuple[z3.BoolRef, Action]]) -> z3.BoolRef:
+        """Partial-order reduction (finite elements are integers, so they are ordered).
+        Between two global events (enqueue, step), receiver events (kv_done, fail)
+        commute with every per-rank event and per-rank events of different ranks
+        commute with each other (stamps keep their per-rank order), so every run has a
+        permutation of the same length reaching the same state in which receiver
+        events come first, sorted by (rank, request), then the rest sorted by rank."""
+        def pick(choice: list[tuple[z3.BoolRef, Action]], names: tuple[str, ...], key: str) -> Any:
+            term = z3.IntVal(-1)
+            for b, a in choice:
+                if a.name in names:
+                    term = z3.If(b, a.params[key], term)
+            return term
+
+        def any_of(choice: list[tuple[z3.BoolRef, Action]], names: tuple[str, ...]) -> z3.BoolRef:
+            return z3.Or([b for b, a in choice if a.name in names])
+        rx, rest = ("kv_done", "fail"), ("land_room", "land_payload", "fence")
+        pr, pq, cr, cq = pick(prev, rx, "rank"), pick(prev, rx, "req"), pick(cur, rx, "rank"), pick(cur, rx, "req")
+        return z3.And(
+            z3.Not(z3.And(any_of(prev, rest), any_of(cur, rx))),
+            z3.Implies(z3.And(any_of(prev, rx), any_of(cur, rx)),
+                       z3.Or(pr < cr, z3.And(pr == cr, pq < cq))),
+            z3.Implies(z3.And(any_of(prev, rest), any_of(cur, rest)),
+                       pick(prev, rest, "rank") <= pick(cur, rest, "rank")))
+
+    def check(self, goal: Goal) -> tuple[str, list[Move]]:
+        with self.solver.frame():
+            self.solver.add(goal(self.ctx, self.frames[-1]))
+            res = self.solver.check()
+            return res.status, (self._decode(res.model) if res.model is not None else [])
+
+    def _decode(self, model: z3.ModelRef) -> list[Move]:
+        ctx = self.ctx
+
+        def element(term: z3.ExprRef, sort: str) -> int:
+            return next(i for i, e in enumerate(ctx.elems[sort])
+                        if z3.is_true(model.eval(term == e, model_completion=True)))
+        out = []
+        for choice in self.choices:
+            b, a = next((b, a) for b, a in choice if z3.is_true(model.eval(b, model_completion=True)))
+            args: dict[str, int] = {}
+            for key in ("rank", "req"):
+                if key in a.params:
+                    args[key] = element(a.params[key], "Rank" if key == "rank" else "Req")
+            if a.name == "enqueue":
+                r = a.params["req"]
+                args["room"] = model.eval(ctx.room(r), model_completion=True).as_long()
+                args["payload"] = model.eval(ctx.payload(r), model_completion=True).as_long()
+            out.append(Move(a.name, args))
+        return out
+
+
+def bmc(variant: Variant, sizes: Sizes, goal: Goal, max_depth: int,
+        timeout_ms: int = 20_000, assume: Sequence[str] = ()) -> BmcResult:
+    """The shortest unrolling (at most ``max_depth`` transitions) that reaches ``goal``."""
+    t0 = time.perf_counter()
+    u = Unrolling(variant, sizes, timeout_ms, assume)
+    for depth in range(1, max_depth + 1):
+        u.extend()
+        status, steps = u.check(goal)
+        if status != "unsat":
+            return BmcResult(sizes, depth if status == "sat" else None, steps,
+                             time.perf_counter() - t0, status)
+    return BmcResult(sizes, None, [], time.perf_counter() - t0, "unsat")
+
+
+def violates(name: str) -> Goal:
+    return lambda ctx, s: z3.Not(PREDICATES[name](ctx, s))
+
+
+def stutter_goal(extra: Callable[[Ctx, State, Any], z3.BoolRef] | None = None) -> Goal:
+    """A lasso for liveness: some request is queued on every rank with every receiver
+    Success, and the protocol step from here changes nothing but ages (and the clock),
+    so with no timeout (ages enter no decision) stepping forever never removes it."""
+    def goal(ctx: Ctx, s: State) -> z3.BoolRef:
+        a = protocol_step(ctx, s)
+        same = []
+        for name, (args, _) in SIGNATURE.items():
+            if name in ("age", "clock", "stamp"):
+                continue
+            for xs in itertools.product(*(ctx.elems[x] for x in args)):
+                same.append(getattr(a.post, name)(*xs) == getattr(s, name)(*xs))
+        stuck = z3.Or([z3.And([z3.And(s.inq(k, r), s.recv(k, r) == 4) for k in ctx.elems["Rank"]]
+                              + ([extra(ctx, s, r)] if extra else []))
+                       for r in ctx.elems["Req"]])
+        return z3.And(a.guard, *a.side, stuck, *same)
+    return goal

@@ -1,0 +1,155 @@
+"""``pdgate prove``: run the proof obligations, print the table, optionally write JSON.
+
+Exit status: 0 every result matches its expectation, 1 some do not, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from multiprocessing import TimeoutError, get_context
+from pathlib import Path
+from typing import NoReturn
+
+from proofs.obligations import ALL_VARIANTS, Obligation, Outcome, Settings, obligations, run_obligation
+
+
+def _usage_error(prog: str) -> "callable":
+    def error(message: str) -> NoReturn:
+        print(f"{prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    return error
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.error = _usage_error("pdgate prove")            # one line, exit 2
+    p.add_argument("--variant", action="append", metavar="V",
+                   help=f"only this variant (repeatable; known: {', '.join(ALL_VARIANTS)})")
+    p.add_argument("--only", action="append", metavar="TEXT",
+                   help="only obligations whose name contains TEXT (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
+    p.add_argument("--traces", metavar="DIR", default="out/traces",
+                   help="directory for counterexample traces (default: out/traces)")
+    p.add_argument("--jobs", type=int, default=2, metavar="N", help="worker processes (default 2)")
+    p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="per solver query (default 20)")
+    p.add_argument("--list", action="store_true", help="list the obligations and exit")
+
+
+def _select(args: argparse.Namespace) -> list[Obligation]:
+    obs = obligations()
+    if args.variant:
+        obs = [o for o in obs if o.variant in args.variant]
+    if args.only:
+        obs = [o for o in obs if any(t in o.obligation for t in args.only)]
+    return obs
+
+
+def _run_one(index_and_settings: tuple[int, Settings, list[str]]) -> tuple[int, Outcome]:
+    i, settings, keys = index_and_settings
+    by_key = {o.key: o for o in obligations()}
+    return i, run_obligation(by_key[keys[i]], settings)
+
+
+def _row(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+
+def run(args: argparse.Namespace) -> int:
+    err = "pdgate prove: "
+    unknown = [v for v in args.variant or [] if v not in ALL_VARIANTS]
+    if unknown:
+        print(f"{err}unknown variant {unknown[0]!r} (known: {', '.join(ALL_VARIANTS)})", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print(f"{err}--jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"{err}--timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    obs = _select(args)
+    if not obs:
+        print(f"{err}no obligation matches the filters", file=sys.stderr)
+        return 2
+    if args.list:
+        for o in obs:
+            print(f"{o.obligation:32s} {o.variant:22s} {o.expected}")
+        return 0
+    traces = Path(args.traces)
+    try:
+        traces.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"{err}cannot create --traces directory {traces}: {exc.strerror}", file=sys.stderr)
+        return 2
+    settings = Settings(traces, int(args.timeout * 1000))
+    t0 = time.perf_counter()
+    outcomes = _execute(obs, settings, args.jobs)
+    wall = time.perf_counter() - t0
+    if outcomes is None:
+        print(f"{err}workers did not finish within {SUITE_DEADLINE_S:.0f} s; stopped them", file=sys.stderr)
+        return 1
+    rows, failed = [], 0
+    for o, out in zip(obs, outcomes):
+        ok = out.result == o.expected
+        failed += not ok
+        rows.append({"obligation": o.obligation, "variant": o.variant, "expected": o.expected,
+                     "result": out.result, "seconds": round(out.seconds, 3),
+                     "unbounded": o.unbounded, "detail": out.detail,
+                     **({"trace": out.trace} if out.trace else {})})
+    _print_table(rows)
+    print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall"
+          + (f"; {failed} UNEXPECTED" if failed else ""))
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fp:
+                json.dump(rows, fp, indent=1)
+        except OSError as exc:
+            print(f"{err}cannot write {args.json}: {exc.strerror}", file=sys.stderr)
+            return 2
+    return 1 if failed else 0
+
+
+SUITE_DEADLINE_S = 900.0   # the suite takes seconds; this long means a worker is stuck
+
+
+def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outcome] | None:
+    """Run the obligations (in ``jobs`` forked workers); None if the deadline passed."""
+    if jobs == 1:
+        return [run_obligation(o, settings) for o in obs]
+    keys = [o.key for o in obs]
+    order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))   # longest first
+    results: list[Outcome | None] = [None] * len(obs)
+    deadline = time.monotonic() + SUITE_DEADLINE_S
+    with get_context("fork").Pool(jobs) as pool:     # leaving the block terminates workers
+        it = pool.imap_unordered(_run_one, [(i, settings, keys) for i in order])
+        try:
+            for _ in order:
+                i, out = it.next(timeout=max(deadline - time.monotonic(), 0.0))
+                results[i] = out
+        except TimeoutError:
+            return None
+    return [r for r in results if r is not None]
+
+
+def _cost_rank(o: Obligation) -> int:
+    """Rough cost order: two-request unrollings, explicit search, other unrollings, proofs."""
+    if o.obligation == "cex:outcomes_agree" and o.variant != "ungated":
+        return 0
+    if o.obligation.startswith(("bmc-crosscheck", "cex:")):
+        return 1
+    return 2 if not o.unbounded else 3
+
+
+def _print_table(rows: list[dict]) -> None:
+    head = ["obligation", "variant", "expected", "result", "seconds"]
+    cells = [[r["obligation"], r["variant"], r["expected"],
+              r["result"] + ("" if r["result"] == r["expected"] else "  <-- UNEXPECTED"),
+              f"{r['seconds']:.2f}"] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    print(_row(head, widths))
+    print(_row(["-" * w for w in widths], widths))
+    for c, r in zip(cells, rows):
+        print(_row(c, widths))
+        if r["detail"] and r["result"] != r["expected"]:
+            print(f"    {r['detail']}")

@@ -1,0 +1,225 @@
+"""The proof obligations of ``pdgate prove``: what is checked, per variant, and how.
+
+Kinds (the ``obligation`` column):
+  safety:INV        inductive invariant, Z3 over unbounded sorts (all T, N, slots)
+  lemma:slots       the slot bookkeeping the encoding relies on (owner of a held slot)
+  liveness:bounded_wait  strict: age <= timeout_steps is inductive (unbounded);
+                    others: a lasso (a reachable state whose step changes only ages)
+  cex:INV           the smallest counterexample by bounded unrolling, exported as a trace
+  nonvacuous:*      premises satisfiable; a commit is reachable; the gate can hold one
+  bmc-crosscheck    proofs/explore.py's explicit-state search agrees (small sizes)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import z3
+
+from model.encoding.checks import (BmcResult, Goal, bmc, premises, prove_inductive,
+                                   stutter_goal, violates)
+from model.encoding.vocab import Sizes, Z3OPS
+from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
+from model.spec.variants import ABLATIONS, VARIANTS, Variant
+from proofs.export import ReplayMismatch, export_lasso, export_violation, export_witness
+
+SAFETY_NAMES = ("queues_identical", "outcomes_agree", "no_corruption", "exactly_once")
+SLOT_LEMMAS = ["fresh_is_blank", "slot_owner", "slot_held", "quarantine_decided"]
+# Each safety property with the lemmas that make it inductive.
+BUNDLES: dict[str, list[str]] = {
+    "exactly_once": ["exactly_once", "fresh_is_blank"],
+    "queues_identical": ["queues_identical"],
+    "outcomes_agree": ["outcomes_agree", "queues_identical", "recv_range"],
+    "no_corruption": ["no_corruption", "queues_identical", "recv_range", "exactly_once",
+                      *SLOT_LEMMAS, "writes_to_held_slots", "free_rows_zero",
+                      "room_is_own_or_zero", "room_after_payload", "payload_is_own"],
+    "bounded_wait": ["bounded_wait", "ages_agree", "queues_identical", "recv_range"],
+}
+# What holds where (verified by the solver; see docs/PROOFS.md for why).
+PROVED: dict[str, tuple[str, ...]] = {
+    "ungated": ("exactly_once",),
+    "gate-noclear": ("queues_identical", "exactly_once"),
+    "gate": ("queues_identical", "exactly_once"),
+    "strict": SAFETY_NAMES,
+}
+RELATIONAL = ("queues_identical", "outcomes_agree")   # compare ranks: need T >= 2
+ALL_VARIANTS: dict[str, Variant] = {**VARIANTS, **ABLATIONS}
+MAX_RANKS, MAX_REQS, MAX_DEPTH = 2, 2, 9
+
+
+@dataclass
+class Settings:
+    traces: Path
+    timeout_ms: int = 20_000
+
+
+@dataclass
+class Outcome:
+    result: str                 # "proved", "counterexample", or what went wrong
+    detail: str = ""
+    trace: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Obligation:
+    obligation: str
+    variant: str
+    expected: str               # "proved" or "counterexample"
+    unbounded: bool
+    check: Callable[["Obligation", Settings], Outcome] = field(compare=False)
+    arg: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.obligation}@{self.variant}"
+
+
+# -- checks -------------------------------------------------------------------------------
+def _inductive(ob: Obligation, st: Settings) -> Outcome:
+    names = BUNDLES.get(ob.arg, SLOT_LEMMAS)
+    log = prove_inductive(ALL_VARIANTS[ob.variant], names, st.timeout_ms)
+    bad = log.failures("unsat")
+    lemmas = ", ".join(n for n in names if n != ob.arg)
+    if bad:
+        return Outcome("not inductive", "; ".join(bad))
+    return Outcome("proved", f"init + {len(log.queries) - 1} actions unsat"
+                   + (f"; with lemmas {lemmas}" if lemmas else ""))
+
+
+def proved_facts(variant: str) -> list[str]:
+    """Invariants this run proves for the variant (unbounded): assumed on every
+    unrolled frame to prune the bounded search (sound: they hold in every reachable state)."""
+    if variant not in PROVED:
+        return []
+    return sorted({n for inv in PROVED[variant] for n in BUNDLES[inv]} | set(SLOT_LEMMAS))
+
+
+def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
+    """Fewest ranks, then requests, then slots, then transitions (within the bounds).
+    ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them."""
+    assume = proved_facts(variant.name)
+    for ranks in range(first_ranks, MAX_RANKS + 1):
+        for reqs in range(1, MAX_REQS + 1):
+            for slots in range(1, reqs + 1):
+                res = bmc(variant, Sizes(ranks, reqs, slots), goal, MAX_DEPTH, timeout_ms, assume)
+                if res.status != "unsat":
+                    return res
+    return None
+
+
+def _trace_path(ob: Obligation, st: Settings) -> Path:
+    name = ob.obligation.replace(":", "-").replace(" ", "_")
+    return st.traces / f"{ob.variant}.{name}.jsonl"
+
+
+def _found(ob: Obligation, st: Settings, goal: Goal, export: Callable[..., str | None],
+           what: str, first_ranks: int = 1) -> Outcome:
+    v = ALL_VARIANTS[ob.variant]
+    res = minimal_bmc(v, goal, st.timeout_ms, first_ranks)
+    bound = f"T<={MAX_RANKS}, N<={MAX_REQS}, {MAX_DEPTH} events"
+    if res is None:
+        return Outcome("none found", f"no {what} within {bound}")
+    if res.status != "sat":
+        return Outcome(res.status, f"solver gave up at {res.sizes}")
+    path = _trace_path(ob, st)
+    try:
+        detail = export(v, res.sizes.ranks, res.sizes.slots, res.steps, path,
+                        f"{ob.obligation}: {what}, minimal within {bound}")
+    except ReplayMismatch as exc:
+        return Outcome("replay mismatch", str(exc))
+    result = "proved" if ob.expected == "proved" else "counterexample"
+    size = f"{res.sizes}, {res.depth} events"
+    return Outcome(result, f"{size}: {detail}" if detail else size, str(path))
+
+
+def _counterexample(ob: Obligation, st: Settings) -> Outcome:
+    inv = ob.arg
+    return _found(ob, st, violates(inv),
+                  lambda v, t, s, steps, path, note: export_violation(v, t, s, steps, inv, path, note),
+                  f"violation of {inv}", 2 if inv in RELATIONAL else 1)
+
+
+def _lasso(ob: Obligation, st: Settings) -> Outcome:
+    extra = None
+    if ob.arg == "room0":        # a genuine room 0, every field landed everywhere
+        extra = lambda c, s, r: z3.And([z3.And(c.room(r) == 0, s.lr(k, r), s.lp(k, r))
+                                        for k in c.elems["Rank"]])
+    return _found(ob, st, stutter_goal(extra), export_lasso, "lasso")
+
+
+def _commit_goal(c, s) -> z3.BoolRef:
+    return z3.Or([z3.And(s.dec(k, r), s.commit(k, r)) for k in c.elems["Rank"] for r in c.elems["Req"]])
+
+
+def _gate_holds_goal(c, s) -> z3.BoolRef:
+    return z3.Or([z3.And(s.inq(k, r), s.recv(k, r) == SUCCESS,
+                         gated_poll(c.variant, s.recv(k, r), s.seen(k, r), c.room(r), s.age(k, r),
+                                    Z3OPS) == TRANSFERRING)
+                  for k in c.elems["Rank"] for r in c.elems["Req"]])
+
+
+def _witness(ob: Obligation, st: Settings) -> Outcome:
+    goal = _commit_goal if ob.arg == "commit" else _gate_holds_goal
+    return _found(ob, st, goal, lambda *a: export_witness(*a) or "", f"reachable {ob.arg}")
+
+
+def _premises(ob: Obligation, st: Settings) -> Outcome:
+    v = ALL_VARIANTS[ob.variant]
+    bundles = [SLOT_LEMMAS] + [BUNDLES[n] for n in PROVED.get(ob.variant, ())]
+    if v.timeout_steps is not None:
+        bundles.append(BUNDLES["bounded_wait"])
+    bad = []
+    for names in bundles:
+        bad += [f"{names[0]} / {q}" for q in premises(v, names, timeout_ms=st.timeout_ms).failures("sat")]
+    if bad:
+        return Outcome("vacuous", "; ".join(bad))
+    return Outcome("proved", f"{len(bundles)} invariants x 7 actions satisfiable at T=2 N=2 S=2")
+
+
+def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
+    from proofs.crosscheck import crosscheck
+    return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
+
+
+# -- the list -------------------------------------------------------------------------------
+def obligations() -> list[Obligation]:
+    out: list[Obligation] = []
+    for name in VARIANTS:
+        out.append(Obligation("lemma:slots", name, "proved", True, _inductive, "slots"))
+        for inv in SAFETY_NAMES:
+            if inv in PROVED[name]:
+                out.append(Obligation(f"safety:{inv}", name, "proved", True, _inductive, inv))
+            else:
+                out.append(Obligation(f"cex:{inv}", name, "counterexample", False, _counterexample, inv))
+        if name == "strict":
+            out.append(Obligation("liveness:bounded_wait", name, "proved", True, _inductive, "bounded_wait"))
+        out.append(Obligation("nonvacuous:premises", name, "proved", False, _premises))
+        out.append(Obligation("nonvacuous:commit", name, "proved", False, _witness, "commit"))
+        if VARIANTS[name].gate.value != "none":
+            out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
+        out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
+    out.append(Obligation("liveness:bounded_wait", "gate", "counterexample", False, _lasso, "never-lands"))
+    out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
+    # strict minus one mechanism: each one is needed.
+    out.append(Obligation("cex:no_corruption", "strict-no-room-order", "counterexample", False,
+                          _counterexample, "no_corruption"))
+    out.append(Obligation("cex:no_corruption", "strict-no-fence", "counterexample", False,
+                          _counterexample, "no_corruption"))
+    out.append(Obligation("safety:outcomes_agree", "strict-no-fence", "proved", True, _inductive,
+                          "outcomes_agree"))
+    out.append(Obligation("liveness:bounded_wait", "strict-no-timeout", "counterexample", False,
+                          _lasso, "never-lands"))
+    return out
+
+
+def run_obligation(ob: Obligation, st: Settings) -> Outcome:
+    t0 = time.perf_counter()
+    try:
+        out = ob.check(ob, st)
+    except z3.Z3Exception as exc:
+        out = Outcome("solver error", str(exc))
+    out.seconds = time.perf_counter() - t0
+    return out
