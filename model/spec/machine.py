@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
-from model.spec.kernel import Decision, gated_poll, pop_decision
+from model.spec.kernel import Decision, compare_index, gate_table, pop_table
 from model.spec.kvpoll import CollectiveMismatch, KVPoll, min_reduce
 from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
                               SystemState)
@@ -143,11 +143,18 @@ def _fence(state: SystemState, ev: Fence) -> None:
 
 def _protocol_step(state: SystemState) -> StepRecord:
     v = state.variant
+    # gate_table/pop_table are gated_poll/pop_decision tabulated on ints (kernel.py).
+    gate, pop, timeout = gate_table(v), pop_table(v), v.timeout_steps
+    requests = state.requests
     locals_, gateds = [], []
     for rs in state.ranks:
-        local = [rs.recv[r] for r in rs.queue]
-        gated = [gated_poll(v, p, rs.room_at[rs.slot_of[r]], state.requests[r].room, rs.age[r])
-                 for p, r in zip(local, rs.queue)]
+        queue, room_at, slot_of, age = rs.queue, rs.room_at, rs.slot_of, rs.age
+        local = [rs.recv[r] for r in queue]
+        gated = []
+        for p, r in zip(local, queue):
+            seen, expected = room_at[slot_of[r]], requests[r].room
+            timed = timeout is not None and age[r] >= timeout
+            gated.append(gate[p * 16 + 8 * timed + compare_index(seen, expected)])
         locals_.append(local)
         gateds.append(gated)
     try:
@@ -163,7 +170,7 @@ def _protocol_step(state: SystemState) -> StepRecord:
         popped, kept = [], []
         for red, r in zip(reduced, queue_before):
             slot = rs.slot_of[r]
-            d = Decision(pop_decision(v, red, rs.room_at[slot], state.requests[r].room))
+            d = pop[red * 8 + compare_index(rs.room_at[slot], requests[r].room)]
             if d is Decision.KEEP:
                 kept.append(r)
                 continue
