@@ -57,11 +57,11 @@ def ideal_config(cfg: SimConfig) -> SimConfig:
 
 
 def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: str | None,
-                 record: bool) -> RunData:
+                 record: bool, several: bool = False) -> RunData:
     """One run with the flags' model (variant "ideal": see ideal_config); ``trace_path``
     gets the spec trace."""
     cfg = build_config(args, "ungated" if variant == IDEAL else variant, args.ranks,
-                       args.metadata_lag, seed)
+                       args.metadata_lag, seed, several)
     if variant == IDEAL:
         cfg = ideal_config(cfg)
     workload = build_workload(args, args.rate, seed)
@@ -112,7 +112,8 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(reps):
         for n in runs:
             path = _trace_path(args.trace, n, several) if args.trace and rep == 0 else None
-            runs[n].append(simulate_one(args, n, args.seed + rep, path, record and rep == 0))
+            runs[n].append(simulate_one(args, n, args.seed + rep, path, record and rep == 0,
+                                        several))
     wall = not args.no_wall_clock
     summaries = [summarize(runs[n][0], wall) for n in names]
     print(table(summaries))

@@ -136,6 +136,7 @@ class Simulation:
         self.pending = 1          # arrivals still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
+        self.since_poll = 0       # environment events since the last protocol step
         self.wake: Event | None = None
         self.divergence: Divergence | None = None
         self.stuck = 0
@@ -150,6 +151,7 @@ class Simulation:
             apply(self.state, ev)
         except EventNotEnabled as exc:      # the driver broke its own physics: a bug
             raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
+        self.since_poll += 1
         if self.trace is not None:
             self.trace.event(ev, self.env.now)
 
@@ -164,12 +166,12 @@ class Simulation:
             heapq.heappush(servers, done)
             self.pending += 1
             _At(env, done - env.now, self._prefilled, i)
-        self.pending -= 1
+        self._settle()
 
     def _prefilled(self, i: int) -> None:
-        self.pending -= 1
         self.prealloc.append(i)
         self._admit()
+        self._settle()
 
     def _admit(self) -> None:
         ranks = self.state.ranks
@@ -230,20 +232,28 @@ class Simulation:
         if tl.pos < len(times):
             _At(self.env, times[tl.pos] - now, self._timeline, tl)
         else:
-            self.pending -= 1
+            self._settle()
+        if self.prealloc:       # a landed write may have freed a quarantined slot
+            self._admit()
 
     def _fence(self, key: tuple[int, int]) -> None:
         k, i = key
         rs, now = self.state.ranks[k], self.env.now
-        if i not in rs.landed or i in rs.fenced:
-            self.pending -= 1
-            return
-        if self.write_end[i, k] >= now and rs.landed[i] != ALL_FIELDS:
-            # prefill acknowledges only once its writes are done: wait for them
-            _At(self.env, self.write_end[i, k] - now, self._fence, key)
-            return
+        if i in rs.landed and i not in rs.fenced:
+            if self.write_end[i, k] >= now and rs.landed[i] != ALL_FIELDS:
+                # prefill acknowledges only once its writes are done: wait for them
+                _At(self.env, self.write_end[i, k] - now, self._fence, key)
+                return
+            self._env_event(Fence(k, i))
+            self._admit()       # the fence may have freed a quarantined slot
+        self._settle()
+
+    def _settle(self) -> None:
+        """One scheduled callback finished; with none left, wake an idle scheduler so it
+        can see that nothing will ever happen again."""
         self.pending -= 1
-        self._env_event(Fence(k, i))
+        if self.pending == 0 and self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
 
     # -- the decode scheduler ----------------------------------------------------------
     def _scheduler(self):
@@ -263,6 +273,7 @@ class Simulation:
             if queued:
                 s = env.now
                 rec = apply(state, _STEP)
+                self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
                 found = step_violations(state, rec)
@@ -274,7 +285,8 @@ class Simulation:
                     self.spans.append(("step", -1, rec.step, s, s + cost))
                 yield env.timeout(cost)
                 popped = self._record_pops(rec)
-                if (not popped and timeout is None and self.pending == 0 and not self.running):
+                if (not popped and not self.since_poll and timeout is None and self.pending == 0
+                        and not self.running):   # nothing can change any more: held forever
                     self.stuck = len(ranks[0].queue) + len(self.prealloc)
                     return
             self.decode_steps += 1

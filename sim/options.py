@@ -7,6 +7,7 @@ import math
 import sys
 from typing import Any, Callable, NoReturn
 
+from model.spec.variants import VARIANTS
 from sim.config import ALLREDUCE_ALPHA_MS, ALLREDUCE_BETA_MS, TE_GBPS, SimConfig, Stall
 from sim.dists import parse_dist, parse_rank_dists, parse_skew
 from sim.draws import stream
@@ -114,14 +115,18 @@ def parse_stall(text: str, ranks: int) -> Stall:
 
 
 def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[str] | None,
-                 seed: int) -> SimConfig:
+                 seed: int, several: bool = False) -> SimConfig:
     """A validated SimConfig from the flags (variant, ranks, lag and seed given apart
-    because --compare and the sweep vary them)."""
+    because --compare and the sweep vary them). With ``several`` variants,
+    --timeout-steps applies to those that have a timeout."""
     if ranks < 1:
         raise SimInputError(f"--ranks: must be >= 1, got {ranks}")
+    timeout = args.timeout_steps
+    if several and variant in VARIANTS and VARIANTS[variant].timeout_steps is None:
+        timeout = None
     cfg = SimConfig(
         variant=variant, ranks=ranks, request_pool=args.request_pool, slots=args.slots,
-        timeout_steps=args.timeout_steps, no_clear=args.no_clear, seed=seed,
+        timeout_steps=timeout, no_clear=args.no_clear, seed=seed,
         forward=parse_dist(args.forward, "--forward"),
         idle_step=parse_dist(args.idle_step, "--idle-step"),
         allreduce_alpha_ms=args.allreduce_alpha, allreduce_beta_ms=args.allreduce_beta,

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _simulate(args: argparse.Namespace, variant: str, ranks: int, lag: str, rate: float) -> dict:
-    cfg = build_config(args, variant, ranks, [lag], args.seed)
+    cfg = build_config(args, variant, ranks, [lag], args.seed, several=True)
     summary = summarize(Simulation(cfg, build_workload(args, rate, args.seed)).run(), False)
     return {"metadata_lag": lag, "rate": rate, **summary}
 
@@ -159,7 +159,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     # fail fast on bad strings before starting processes
     for lag in args.metadata_lag:
         for r in args.ranks:
-            build_config(args, variants[0], r, [lag], args.seed)
+            build_config(args, variants[0], r, [lag], args.seed, several=True)
     build_workload(args, args.rate[0], args.seed)
     return variants
 
