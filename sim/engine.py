@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -26,7 +27,7 @@ from simpy.events import URGENT, Event
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import EventNotEnabled, StepRecord, apply
+from model.spec.machine import EventNotEnabled, StepRecord, apply, forget
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -38,6 +39,7 @@ from sim.workload import Workload
 
 KV, FAIL, PAY, ROOMF = 0, 1, 2, 3          # timeline event kinds, in same-time order
 _STEP = Step()
+FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
 
 
@@ -80,7 +82,7 @@ class _Timeline:
     __slots__ = ("req", "times", "codes", "pos")
 
     def __init__(self, req: int, times: list[float], codes: list[int]):
-        self.req, self.times, self.codes, self.pos = req, times, codes, 0
+        self.req, self.times, self.codes, self.pos = req, array("d", times), array("h", codes), 0
 
 
 @dataclass
@@ -111,6 +113,7 @@ class RunData:
     wall_seconds: float
     divergence: Divergence | None
     stuck: int                     # requests held forever (no timeout can free them)
+    peak_in_flight: int            # most requests arrived and not yet done at once
     spans: list[tuple] = field(default_factory=list)   # Perfetto data, when recorded
 
 
@@ -133,10 +136,15 @@ class Simulation:
         self.prealloc: deque[int] = deque()
         self.running: list[tuple[int, int]] = []   # (finishing decode step, request)
         self.in_pool = 0
+        self.peak_in_flight = 0
+        self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
+        self.prefills: list[tuple[float, int]] = []   # (prefill done, request)
+        self.prefill_next: float | None = None
         self.pending = 1          # arrivals still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
         self.since_poll = 0       # environment events since the last protocol step
+        self.to_forget: list[int] = []   # decided requests whose records the spec may drop
         self.wake: Event | None = None
         self.divergence: Divergence | None = None
         self.stuck = 0
@@ -164,12 +172,26 @@ class Simulation:
                 yield env.timeout(t - env.now)
             done = max(env.now, heapq.heappop(servers)) + float(self.d.prefill_ms[i])
             heapq.heappush(servers, done)
-            self.pending += 1
-            _At(env, done - env.now, self._prefilled, i)
+            self.arrived += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.arrived - self.finished)
+            heapq.heappush(self.prefills, (done, i))
+            self._wake_prefills()
         self._settle()
 
-    def _prefilled(self, i: int) -> None:
-        self.prealloc.append(i)
+    def _wake_prefills(self) -> None:
+        """One pending SimPy event for the earliest prefill completion (not one per request)."""
+        head = self.prefills[0][0] if self.prefills else None
+        if head is not None and (self.prefill_next is None or head < self.prefill_next):
+            self.prefill_next = head
+            self.pending += 1
+            _At(self.env, head - self.env.now, self._prefilled, head)
+
+    def _prefilled(self, target: float) -> None:
+        if self.prefill_next == target:
+            self.prefill_next = None
+        while self.prefills and self.prefills[0][0] <= target:
+            self.prealloc.append(heapq.heappop(self.prefills)[1])
+        self._wake_prefills()
         self._admit()
         self._settle()
 
@@ -218,6 +240,7 @@ class Simulation:
     def _timeline(self, tl: _Timeline) -> None:
         now, T, i = self.env.now, self.T, tl.req
         times, codes = tl.times, tl.codes
+        target = times[tl.pos]      # exact, where now may differ from it in the last bit
         while True:
             kind, k = divmod(codes[tl.pos], T)
             tl.pos += 1
@@ -227,7 +250,7 @@ class Simulation:
                     self._env_event(KvDone(k, i) if kind == KV else Fail(k, i))
             else:
                 self._env_event(Land(k, i, PAYLOAD if kind == PAY else ROOM))
-            if tl.pos == len(times) or times[tl.pos] > now:
+            if tl.pos == len(times) or times[tl.pos] > target:
                 break
         if tl.pos < len(times):
             _At(self.env, times[tl.pos] - now, self._timeline, tl)
@@ -293,6 +316,7 @@ class Simulation:
             while self.running and self.running[0][0] <= self.decode_steps:
                 heapq.heappop(self.running)
                 self.in_pool -= 1
+                self.finished += 1
             self._admit()
             yield env.timeout(self.forward.next() if self.running else self.idle.next())
 
@@ -306,8 +330,12 @@ class Simulation:
                 heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
             else:
                 self.in_pool -= 1
+                self.finished += 1
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
+        self.to_forget.extend(r for r, _, _ in rec.ranks[0].popped)
+        if len(self.to_forget) >= FORGET_BATCH:
+            self._forget_done()
         for k, rank_step in enumerate(rec.ranks):
             rs = self.state.ranks[k]
             for r, dec, _ in rank_step.popped:
@@ -315,6 +343,17 @@ class Simulation:
                     self.pending += 1
                     _At(self.env, float(d.fence_ms[r, k]), self._fence, (k, r))
         return len(rec.ranks[0].popped)
+
+    def _forget_done(self) -> None:
+        """Let the spec drop decided requests no write can reach any more, so memory
+        follows the requests in flight (their outcomes are in the results and trace)."""
+        ranks, keep = self.state.ranks, []
+        for r in self.to_forget:
+            if any(r in rs.slot_of for rs in ranks):
+                keep.append(r)
+            else:
+                forget(self.state, r)
+        self.to_forget = keep
 
     def run(self) -> RunData:
         env = self.env
@@ -329,4 +368,4 @@ class Simulation:
             self.trace.end(self.state.steps)
         return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
                        self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
-                       env.now, wall, self.divergence, self.stuck, self.spans)
+                       env.now, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans)

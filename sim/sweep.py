@@ -110,8 +110,9 @@ def _cell(job: tuple) -> dict:
 class Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream, self.t0 = total, 0, stream, time.perf_counter()
+    def __init__(self, total: int, stream: Any = None):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.stream = stream if stream is not None else sys.stderr
 
     def tick(self) -> None:
         self.done += 1
