@@ -215,6 +215,21 @@ def apply(state: SystemState, event: Event) -> StepRecord | None:
     return None
 
 
+def forget(state: SystemState, req: int) -> None:
+    """Drop the record of a request that has left every rank's queue and can receive no
+    more writes anywhere (its outcome stays in the trace). Long-running drivers (the
+    simulator) call it so memory follows the requests in flight, not all of history;
+    no transition reads a forgotten request again, and the driver must not reuse its id."""
+    if req not in state.requests:
+        raise EventNotEnabled(f"forget: request {req} is not known")
+    for k, rs in enumerate(state.ranks):
+        if req not in rs.outcomes or req in rs.slot_of:
+            raise EventNotEnabled(f"forget: request {req} is still queued or written on rank {k}")
+    for rs in state.ranks:
+        del rs.outcomes[req]
+    del state.requests[req]
+
+
 def step(state: SystemState, event: Event) -> tuple[SystemState, StepRecord | None]:
     """The pure transition function: the input state is never modified."""
     nxt = state.copy()
