@@ -129,3 +129,11 @@ def pop_table(v: Variant) -> tuple[Decision | None, ...]:
             table[reduced * 8 + compare_index(seen, expected)] = Decision(
                 pop_decision(v, reduced, seen, expected))
     return tuple(table)
+
+
+@lru_cache(maxsize=None)
+def keep_regardless(v: Variant) -> tuple[bool, ...]:
+    """keep_regardless(v)[reduced]: pop_table says KEEP for every room combination."""
+    table = pop_table(v)
+    return tuple(all(table[reduced * 8 + compare_index(seen, expected)] is Decision.KEEP
+                     for seen, expected in _REPRESENTATIVES) for reduced in range(5))
