@@ -149,3 +149,13 @@ def test_malformed_trace_rows_name_the_line(tmp_path, capsys, name, text, line):
     rc, _, err = _run(capsys, "--trace-in", str(path), "--ranks", "2")
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and f"line {line}" in lines[0] and "--trace-in" in lines[0]
+
+
+def test_no_clear_traces_as_the_named_variant_or_refuses(tmp_path, capsys):
+    path = tmp_path / "t.ndjson"
+    rc, _, _ = _run(capsys, *SMALL, "--variant", "gate", "--no-clear", "--trace", str(path))
+    text = path.read_text()
+    assert rc == 0 and '"variant":"gate-noclear"' in text.splitlines()[0]
+    assert validate(text.splitlines()).ok
+    rc, _, err = _run(capsys, *SMALL, "--variant", "strict", "--no-clear", "--trace", str(path))
+    assert rc == 2 and "--trace" in err and len(err.strip().splitlines()) == 1
