@@ -27,19 +27,17 @@ def _suspect(state: SystemState, rec: StepRecord) -> bool:
         if rs.queue != q0:
             return True
     first = rec.ranks[0].popped
-    kinds0 = [(r, d == _COMMIT) for r, d, _ in first]
     requests = state.requests
-    for rank_step in rec.ranks:
+    for rank_step in rec.ranks[1:]:
         popped = rank_step.popped
-        if popped is not first and [(r, d == _COMMIT) for r, d, _ in popped] != kinds0:
-            return True
-        for r, d, payload in popped:
-            if d == _COMMIT and payload != requests[r].payload:
+        if popped != first:      # rare: compare the outcome kinds, then the payloads
+            if [(r, d == _COMMIT) for r, d, _ in popped] != [(r, d == _COMMIT) for r, d, _ in first]:
                 return True
-    if first and q0:
-        queued = set(q0)
-        return any(r in queued for r, _, _ in first)
-    return False
+            if any(d == _COMMIT and p != requests[r].payload for r, d, p in popped):
+                return True
+    if any(d == _COMMIT and p != requests[r].payload for r, d, p in first):
+        return True
+    return bool(first and q0) and not set(q0).isdisjoint(r for r, _, _ in first)
 
 
 def step_violations(state: SystemState, rec: StepRecord) -> list[Violation]:
