@@ -127,6 +127,9 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = summaries[0] if not several else {"compare": summaries}
     if several:
         base = names[0]
+        if any(r.divergence for r in runs[base]):
+            print(f"note: {base} diverged, so only its requests committed before that pair up; "
+                  f"the ideal reference below is the gate's full price")
         costs = []
         for n in names[1:]:
             cost = ttft_cost(runs[n], runs[base])
