@@ -9,7 +9,7 @@ from model.spec.variants import VARIANTS, GateRule, Variant, get_variant
 from model.spec.kernel import Decision, gated_poll, pop_decision
 from model.spec.events import Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.state import SystemState, RankState, Request, initial_state
-from model.spec.machine import EventNotEnabled, StepRecord, apply, enabled, step
+from model.spec.machine import EventNotEnabled, StepRecord, apply, enabled, forget, step
 from model.spec.invariants import INVARIANTS, Violation, check_invariants
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "Decision", "gated_poll", "pop_decision",
     "Enqueue", "Event", "Fail", "Fence", "KvDone", "Land", "Step",
     "SystemState", "RankState", "Request", "initial_state",
-    "EventNotEnabled", "StepRecord", "apply", "enabled", "step",
+    "EventNotEnabled", "StepRecord", "apply", "enabled", "forget", "step",
     "INVARIANTS", "Violation", "check_invariants",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 from typing import Any, Callable
 
 from model.spec.kvpoll import KVPoll
@@ -92,3 +93,47 @@ def pop_decision(v: Variant, reduced: Any, room_seen: Any, room_expected: Any,
                 int(Decision.ABORT_ROOM_MISMATCH)))
     return ops.ite(ops.eq(reduced, FAILED), int(Decision.ABORT_FAILED),
                    ops.ite(ops.eq(reduced, SUCCESS), on_success, int(Decision.KEEP)))
+
+
+# Fast path for Python ints (used by machine.py). gated_poll and pop_decision see the
+# rooms and the age only through the comparisons in ``compare_index`` (and age >=
+# timeout), so on ints each is a table over (poll value, comparisons), filled by
+# evaluating the definitions above at one representative per feasible combination.
+def compare_index(room_seen: int, room_expected: int) -> int:
+    """Bit 0: seen == 0; bit 1: seen == expected; bit 2: expected == 0."""
+    return (room_seen == 0) | (room_seen == room_expected) << 1 | (room_expected == 0) << 2
+
+
+_REPRESENTATIVES = [(0, 5), (5, 5), (9, 5), (0, 0), (7, 0)]   # (room_seen, room_expected)
+
+
+@lru_cache(maxsize=None)
+def gate_table(v: Variant) -> tuple[int | None, ...]:
+    """gate_table(v)[poll * 16 + 8 * timed_out + compare_index(...)] == gated_poll(...)."""
+    table: list[int | None] = [None] * (5 * 16)
+    for poll in range(5):
+        for timed in (0, 1):
+            age = (v.timeout_steps or 0) if timed else 0
+            for seen, expected in _REPRESENTATIVES:
+                table[poll * 16 + 8 * timed + compare_index(seen, expected)] = gated_poll(
+                    v, poll, seen, expected, age)
+    return tuple(table)
+
+
+@lru_cache(maxsize=None)
+def pop_table(v: Variant) -> tuple[Decision | None, ...]:
+    """pop_table(v)[reduced * 8 + compare_index(...)] == Decision(pop_decision(...))."""
+    table: list[Decision | None] = [None] * (5 * 8)
+    for reduced in range(5):
+        for seen, expected in _REPRESENTATIVES:
+            table[reduced * 8 + compare_index(seen, expected)] = Decision(
+                pop_decision(v, reduced, seen, expected))
+    return tuple(table)
+
+
+@lru_cache(maxsize=None)
+def keep_regardless(v: Variant) -> tuple[bool, ...]:
+    """keep_regardless(v)[reduced]: pop_table says KEEP for every room combination."""
+    table = pop_table(v)
+    return tuple(all(table[reduced * 8 + compare_index(seen, expected)] is Decision.KEEP
+                     for seen, expected in _REPRESENTATIVES) for reduced in range(5))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
-from model.spec.kernel import Decision, gated_poll, pop_decision
+from model.spec.kernel import Decision, compare_index, gate_table, keep_regardless, pop_table
 from model.spec.kvpoll import CollectiveMismatch, KVPoll, min_reduce
 from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
                               SystemState)
@@ -143,11 +143,21 @@ def _fence(state: SystemState, ev: Fence) -> None:
 
 def _protocol_step(state: SystemState) -> StepRecord:
     v = state.variant
+    # gate_table/pop_table are gated_poll/pop_decision tabulated on ints (kernel.py).
+    gate, pop, timeout = gate_table(v), pop_table(v), v.timeout_steps
+    requests = state.requests
     locals_, gateds = [], []
     for rs in state.ranks:
-        local = [rs.recv[r] for r in rs.queue]
-        gated = [gated_poll(v, p, rs.room_at[rs.slot_of[r]], state.requests[r].room, rs.age[r])
-                 for p, r in zip(local, rs.queue)]
+        queue, room_at, slot_of = rs.queue, rs.room_at, rs.slot_of
+        local = [rs.recv[r] for r in queue]
+        if timeout is None:
+            gated = [gate[p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)]
+                     for p, r in zip(local, queue)]
+        else:
+            age = rs.age
+            gated = [gate[p * 16 + 8 * (age[r] >= timeout)
+                          + compare_index(room_at[slot_of[r]], requests[r].room)]
+                     for p, r in zip(local, queue)]
         locals_.append(local)
         gateds.append(gated)
     try:
@@ -157,27 +167,36 @@ def _protocol_step(state: SystemState) -> StepRecord:
         ranks = tuple(RankStep(k, tuple(rs.queue), tuple(locals_[k]), tuple(gateds[k]), (), ())
                       for k, rs in enumerate(state.ranks))
         return StepRecord(state.steps, ranks, exc.lengths)
+    reduced_t = tuple(reduced)
+    # Reduced values whose pop decision is KEEP whatever the rooms (from the table).
+    keeps = keep_regardless(v)
+    nothing_pops = all(keeps[red] for red in reduced_t)
     records = []
     for k, rs in enumerate(state.ranks):
         queue_before = tuple(rs.queue)
-        popped, kept = [], []
-        for red, r in zip(reduced, queue_before):
-            slot = rs.slot_of[r]
-            d = Decision(pop_decision(v, red, rs.room_at[slot], state.requests[r].room))
-            if d is Decision.KEEP:
-                kept.append(r)
-                continue
-            payload = rs.payload_at[slot] if d is Decision.COMMIT else 0
-            popped.append((r, int(d), payload))
-        rs.queue = kept
+        popped: list[tuple[int, int, int]] = []
+        if nothing_pops:
+            kept = rs.queue
+        else:
+            kept = []
+            for red, r in zip(reduced_t, queue_before):
+                slot = rs.slot_of[r]
+                d = pop[red * 8 + compare_index(rs.room_at[slot], requests[r].room)]
+                if d is Decision.KEEP:
+                    kept.append(r)
+                    continue
+                payload = rs.payload_at[slot] if d is Decision.COMMIT else 0
+                popped.append((r, int(d), payload))
+            rs.queue = kept
+        age = rs.age
         for r in kept:
-            rs.age[r] += 1
+            age[r] += 1
         for r, d, payload in popped:
-            del rs.recv[r], rs.age[r]
+            del rs.recv[r], age[r]
             rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
             _release(state, rs, r)
         records.append(RankStep(k, queue_before, tuple(locals_[k]), tuple(gateds[k]),
-                                tuple(reduced), tuple(popped)))
+                                reduced_t, tuple(popped)))
     record = StepRecord(state.steps, tuple(records))
     state.steps += 1
     return record
@@ -206,6 +225,21 @@ def apply(state: SystemState, event: Event) -> StepRecord | None:
     else:
         raise EventNotEnabled(f"unknown event {event!r}")
     return None
+
+
+def forget(state: SystemState, req: int) -> None:
+    """Drop the record of a request that has left every rank's queue and can receive no
+    more writes anywhere (its outcome stays in the trace). Long-running drivers (the
+    simulator) call it so memory follows the requests in flight, not all of history;
+    no transition reads a forgotten request again, and the driver must not reuse its id."""
+    if req not in state.requests:
+        raise EventNotEnabled(f"forget: request {req} is not known")
+    for k, rs in enumerate(state.ranks):
+        if req not in rs.outcomes or req in rs.slot_of:
+            raise EventNotEnabled(f"forget: request {req} is still queued or written on rank {k}")
+    for rs in state.ranks:
+        del rs.outcomes[req]
+    del state.requests[req]
 
 
 def step(state: SystemState, event: Event) -> tuple[SystemState, StepRecord | None]:

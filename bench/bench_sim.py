@@ -1,0 +1,123 @@
+"""Simulator speed and memory (issue: SimPy reference simulator).
+
+Figures:
+- protocol steps (the spec's Step, all ranks polling a non-empty queue) and rank-steps
+  (steps x ranks) per wall second of a whole loaded 8-rank simulation, environment
+  events included; scheduler steps/s counts every decode loop iteration;
+- the wall time of a one-hour, ~12 k request workload at 8 ranks and the ratio of
+  simulated to wall time;
+- bytes per request in flight: tracemalloc's peak during a run with thousands of
+  requests in flight, over the peak number in flight (spec state, SimPy events and
+  the simulator's own bookkeeping; the up-front per-request draws are excluded);
+- the spec's apply(Step) alone at 8 ranks and 4 queued requests.
+"""
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+
+from model.spec import Enqueue, Step, apply, get_variant, initial_state
+from sim.config import SimConfig
+from sim.dists import parse_dist
+from sim.draws import draw, stream
+from sim.engine import Simulation
+from sim.workload import synthetic
+
+TARGETS = {
+    "rank_steps_per_s": (">=", 150_000),
+    "steps_per_s_8_ranks": (">=", 20_000),
+    "hour_trace_wall_s": ("<=", 10.0),
+    "bytes_per_inflight_request": ("<=", 1024),
+}
+
+
+def _workload(n: int, rate: float, seed: int = 0, inp: str = "lognormal:7,0.8",
+              out: str = "lognormal:5,0.8"):
+    return synthetic(stream(seed, "workload"), n, rate, 1.0, parse_dist(inp, "--input-len"),
+                     parse_dist(out, "--output-len"))
+
+
+def _timed(cfg: SimConfig, wl) -> tuple:
+    """(run data, wall seconds, CPU seconds): CPU time shows the cost on a shared machine."""
+    sim = Simulation(cfg, wl)
+    t0, c0 = time.perf_counter(), time.process_time()
+    data = sim.run()
+    return data, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _loaded(quick: bool) -> dict:
+    """8 ranks, a busy worker: short forward passes, requests arriving all the time."""
+    cfg = SimConfig(variant="gate", ranks=8, forward=parse_dist("const:5", "--forward"))
+    data, wall, cpu = _timed(cfg, _workload(2000 if quick else 10_000, 40.0))
+    return {"steps_per_s_8_ranks": round(data.protocol_steps / wall),
+            "rank_steps_per_s": round(data.protocol_steps * 8 / wall),
+            "steps_per_cpu_s_8_ranks": round(data.protocol_steps / cpu),
+            "scheduler_steps_per_s_8_ranks": round(data.decode_steps / wall),
+            "loaded_protocol_steps": data.protocol_steps}
+
+
+def _hour(quick: bool) -> dict:
+    """~12 k requests over one simulated hour at 8 ranks (Mooncake conversation size)."""
+    n = 1200 if quick else 12_000
+    cfg = SimConfig(variant="gate", ranks=8)
+    wl = _workload(n, 12_000 / 3600.0, inp="lognormal:8,0.9")
+    data, wall, cpu = _timed(cfg, wl)
+    scale = 12_000 / n
+    return {"hour_trace_requests": n, "hour_trace_sim_s": round(data.sim_ms / 1000, 1),
+            "hour_trace_wall_s": round(wall * scale, 3),
+            "hour_trace_cpu_s": round(cpu * scale, 3),
+            "sim_to_wall_ratio": round(data.sim_ms / 1000 / wall),
+            "hour_trace_diverged": data.divergence is not None}
+
+
+def _traced_peak(cfg: SimConfig, wl) -> tuple:
+    draws = draw(cfg, wl)          # the up-front draws are per workload, not in flight
+    gc.collect()
+    tracemalloc.start()
+    sim = Simulation(cfg, wl, draws=draws)
+    base = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    data = sim.run()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return data, peak - base
+
+
+def _memory(quick: bool) -> dict:
+    """A flood of long-running requests (most decoding, some transferring at 8 ranks);
+    and the worst case: every request held in the 8 ranks' transfer queues by a long lag
+    (there the spec's per-rank bookkeeping is the cost)."""
+    n = 6000 if quick else 20_000
+    cfg = SimConfig(variant="gate", ranks=8, request_pool=n, prefill_servers=4096,
+                    forward=parse_dist("const:25", "--forward"))
+    data, peak = _traced_peak(cfg, _workload(n, 2000.0, out="const:2000"))
+    n_q = 3000
+    cfg_q = SimConfig(variant="gate", ranks=8, request_pool=n_q, slots=n_q,
+                      idle_step=parse_dist("const:25", "--idle-step"),
+                      metadata_lag=(parse_dist("const:3000", "--metadata-lag"),) * 8)
+    data_q, peak_q = _traced_peak(cfg_q, _workload(n_q, 10_000.0, inp="const:100"))
+    return {"peak_in_flight": data.peak_in_flight,
+            "bytes_per_inflight_request": round(peak / data.peak_in_flight),
+            "peak_queued_8_ranks": data_q.peak_in_flight,
+            "bytes_per_queued_request_8_ranks": round(peak_q / data_q.peak_in_flight)}
+
+
+def _spec_step() -> dict:
+    s = initial_state(get_variant("gate"), 8, 64)
+    for i in range(4):
+        apply(s, Enqueue(i, 100 + i, 7))
+    step, n = Step(), 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        apply(s, step)
+    wall = time.perf_counter() - t0
+    return {"spec_apply_step_us_8_ranks_4_queued": round(wall / n * 1e6, 2)}
+
+
+def run(quick: bool) -> dict:
+    out: dict = {}
+    for part in (_loaded, _hour, _memory):
+        out.update(part(quick))
+    out.update(_spec_step())
+    return out

@@ -1,0 +1,168 @@
+"""``pdgate simulate``: one variant, or ``--compare`` several on common random numbers."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from dataclasses import replace
+
+from model.spec.trace import TraceWriter
+from model.spec.variants import VARIANTS
+from sim.compare import cost_line, ttft_cost
+from sim.config import SimConfig
+from sim.dists import parse_dist
+from sim.engine import RunData, Simulation, resolve_variant, trace_name
+from sim.errors import SimInputError
+from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
+from sim.results import divergence_line, dumps, summarize, table
+
+PROG = "pdgate simulate"
+IDEAL = "ideal"   # --compare's extra reference run (ideal_config)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--variant", default="gate", help=f"one of {', '.join(VARIANTS)}")
+    p.add_argument("--compare", metavar="V1,V2,..",
+                   help="run these variants on identical draws; the first is the baseline")
+    p.add_argument("--ranks", type=positive_int, default=8, help="TP ranks of the decode worker")
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--replications", type=positive_int, default=5,
+                   help="--compare: seeds seed..seed+R-1, for the confidence interval")
+    add_model_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    o.add_argument("--trace", metavar="PATH",
+                   help="write the run in the spec's trace format (--compare: PATH.VARIANT)")
+    o.add_argument("--perfetto", metavar="PATH", help="Chrome/Perfetto trace JSON, a track per rank")
+    o.add_argument("--plot", metavar="DIR", help="PNG CDFs of TTFT and gate delay")
+    o.add_argument("--no-wall-clock", action="store_true",
+                   help="write wall_seconds as null, so same-seed outputs are byte-identical")
+
+
+def _trace_path(path: str, variant: str, several: bool) -> str:
+    if not several:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.{variant}{ext or '.ndjson'}"
+
+
+def ideal_config(cfg: SimConfig) -> SimConfig:
+    """The reference for the gate's cost: ungated with every metadata row visible the
+    moment its KV lands (so it cannot diverge), on the same draws otherwise."""
+    zero = parse_dist("const:0", "--metadata-lag")
+    return replace(cfg, variant="ungated", timeout_steps=None, no_clear=False,
+                   metadata_lag=(zero,) * cfg.ranks, lost_metadata_prob=0.0, late_write=None)
+
+
+def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: str | None,
+                 record: bool, several: bool = False) -> RunData:
+    """One run with the flags' model (variant "ideal": see ideal_config); ``trace_path``
+    gets the spec trace."""
+    cfg = build_config(args, "ungated" if variant == IDEAL else variant, args.ranks,
+                       args.metadata_lag, seed, several)
+    if variant == IDEAL:
+        cfg = ideal_config(cfg)
+    workload = build_workload(args, args.rate, seed)
+    if trace_path is None:
+        return Simulation(cfg, workload, record_spans=record).run()
+    v = resolve_variant(cfg)
+    name = trace_name(v)
+    if name is None:
+        raise SimInputError(f"--trace: variant {variant} with --no-clear is not a named variant, "
+                            f"so pdgate validate could not replay it")
+    try:
+        fp = open(trace_path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise SimInputError(f"--trace: cannot write {trace_path}: {exc.strerror}") from None
+    with fp:
+        writer = TraceWriter(fp, name, cfg.ranks, cfg.n_slots(), f"pdgate simulate seed={seed}",
+                             v.timeout_steps, workload=workload.source)
+        return Simulation(cfg, workload, trace=writer, record_spans=record).run()
+
+
+def _variants(args: argparse.Namespace) -> list[str]:
+    names = [n.strip() for n in (args.compare or args.variant).split(",") if n.strip()]
+    flag = "--compare" if args.compare else "--variant"
+    if not names:
+        raise SimInputError(f"{flag}: name at least one variant")
+    for n in names:
+        if n not in VARIANTS:
+            raise SimInputError(f"{flag}: unknown variant {n!r} (known: {', '.join(VARIANTS)})")
+    if len(set(names)) != len(names):
+        raise SimInputError(f"{flag}: a variant is named twice")
+    return names
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            fp.write(text)
+    except OSError as exc:
+        raise SimInputError(f"{flag}: cannot write {path}: {exc.strerror}") from None
+
+
+def execute(args: argparse.Namespace) -> dict[str, Any]:
+    names = _variants(args)
+    several = args.compare is not None
+    reps = args.replications if several else 1
+    record = bool(args.perfetto)
+    runs: dict[str, list[RunData]] = {n: [] for n in names + ([IDEAL] if several else [])}
+    for rep in range(reps):
+        for n in runs:
+            path = _trace_path(args.trace, n, several) if args.trace and rep == 0 else None
+            runs[n].append(simulate_one(args, n, args.seed + rep, path, record and rep == 0,
+                                        several))
+    wall = not args.no_wall_clock
+    summaries = [summarize(runs[n][0], wall) for n in names]
+    print(table(summaries))
+    for s in summaries:
+        line = divergence_line(s)
+        if line:
+            print(line)
+        if s["stuck"]:
+            print(f"{s['variant']}: {s['stuck']} request(s) can never leave (bounded_wait: "
+                  f"no timeout frees them); the run stopped at t={s['sim_seconds']:.3f} s")
+    out: dict[str, Any] = summaries[0] if not several else {"compare": summaries}
+    if several:
+        base = names[0]
+        if any(r.divergence for r in runs[base]):
+            print(f"note: {base} diverged, so only its requests committed before that pair up; "
+                  f"the ideal reference below is the gate's full price")
+        costs = []
+        for n in names[1:]:
+            cost = ttft_cost(runs[n], runs[base])
+            costs.append({"variant": n, "baseline": base, **cost})
+            print(cost_line(n, base, cost))
+        ideal = runs[IDEAL][0]
+        if any(r.divergence for r in runs[IDEAL]):
+            print("note: the ideal reference diverged too (failures with no metadata on a rank)")
+        for n in names:
+            if n == "ungated":
+                continue
+            cost = ttft_cost(runs[n], runs[IDEAL])
+            costs.append({"variant": n, "baseline": "ideal", **cost})
+            print(cost_line(n, "ideal (ungated, metadata visible with its KV)", cost))
+        out["ttft_cost"] = costs
+        out["ideal_reference"] = summarize(ideal, wall)
+    firsts = [runs[n][0] for n in names]
+    if args.perfetto:
+        from sim.outputs import write_perfetto
+        write_perfetto(args.perfetto, firsts)
+    if args.plot:
+        from sim.outputs import write_plots
+        for path in write_plots(args.plot, firsts):
+            print(f"wrote {path}")
+    if args.json:
+        _write(args.json, dumps(out), "--json")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        execute(args)
+    except SimInputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    return 0

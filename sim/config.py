@@ -1,0 +1,107 @@
+"""Simulation parameters and their defaults (../shared/reference/anchors.md).
+
+All times are milliseconds of simulated time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sim.dists import Dist, parse_dist
+from sim.errors import SimInputError
+
+# Mooncake TE small-transfer model: ~34 us + 1.5 us per memory range + 0.088 us per KiB.
+TE_OVERHEAD_MS = 0.034
+TE_PER_RANGE_MS = 0.0015
+TE_GBPS = 1024 / 0.088e-6 / 1e9          # 0.088 us per KiB ~ 11.6 GB/s per transfer
+# gloo all-reduce over TCP: ~0.35 ms for 1 KB (128 int64 polls): alpha + beta * n.
+ALLREDUCE_ALPHA_MS = 0.30
+ALLREDUCE_BETA_MS = 0.05 / 128
+# A 70B-class model (80 layers, 8 KV heads x 128, K and V, bf16): KV bytes per token, all ranks.
+KV_BYTES_PER_TOKEN = 80 * 8 * 128 * 2 * 2
+
+
+@dataclass(frozen=True)
+class Stall:
+    rank: int
+    start_ms: float
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    variant: str = "gate"
+    ranks: int = 8
+    request_pool: int = 64                 # max running + transferring requests
+    slots: int | None = None               # metadata slots per rank; SGLang: 2 x request pool
+    timeout_steps: int | None = None       # strict's bound (None: the spec's default)
+    no_clear: bool = False                 # reuse slots without zeroing the room (any variant)
+    seed: int = 0
+    # decode scheduler step: all-reduce (alpha + beta * n) then a forward pass
+    forward: Dist = field(default_factory=lambda: parse_dist("const:25", "--forward"))
+    idle_step: Dist = field(default_factory=lambda: parse_dist("const:1", "--idle-step"))
+    allreduce_alpha_ms: float = ALLREDUCE_ALPHA_MS
+    allreduce_beta_ms: float = ALLREDUCE_BETA_MS
+    # prefill: base + per-token time on a pool of FIFO prefill servers
+    prefill_base_ms: float = 15.0
+    prefill_ms_per_token: float = 0.04
+    prefill_servers: int = 4
+    # KV transfer per rank: overhead + per range + bytes over bandwidth, plus jitter
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+    page_tokens: int = 64
+    te_overhead_ms: float = TE_OVERHEAD_MS
+    te_per_range_ms: float = TE_PER_RANGE_MS
+    bandwidth_gbps: float = TE_GBPS
+    kv_jitter: Dist = field(default_factory=lambda: parse_dist("const:0", "--kv-jitter"))
+    # metadata lag after KV completion, one distribution per rank (None: the default below)
+    metadata_lag: tuple[Dist, ...] | None = None
+    lag_skew: tuple[float, ...] | None = None
+    fence_delay: Dist = field(default_factory=lambda: parse_dist("const:0.5", "--fence-delay"))
+    # faults
+    fail_prob: float = 0.0                 # per request: one rank's transfer fails
+    lost_metadata_prob: float = 0.0        # per request and rank: the metadata never lands
+    late_write: Dist | None = None         # extra delay of a failed request's metadata writes
+    stalls: tuple[Stall, ...] = ()
+
+    def lag_dists(self) -> tuple[Dist, ...]:
+        if self.metadata_lag is not None:
+            return self.metadata_lag
+        return (parse_dist("exp:0.3", "--metadata-lag"),) * self.ranks
+
+    def n_slots(self) -> int:
+        return self.slots if self.slots is not None else 2 * self.request_pool
+
+    def transfer_ms(self, tokens: float) -> float:
+        """One rank's KV transfer for ``tokens`` tokens (without jitter)."""
+        ranges = math.ceil(tokens / self.page_tokens)
+        nbytes = tokens * self.kv_bytes_per_token / self.ranks
+        return self.te_overhead_ms + self.te_per_range_ms * ranges + nbytes / (self.bandwidth_gbps * 1e6)
+
+    def validate(self) -> "SimConfig":
+        """Raise SimInputError naming the flag of the first bad value."""
+        def need(ok: bool, flag: str, msg: str) -> None:
+            if not ok:
+                raise SimInputError(f"{flag}: {msg}")
+        need(self.ranks >= 1, "--ranks", f"must be >= 1, got {self.ranks}")
+        need(self.request_pool >= 1, "--request-pool", f"must be >= 1, got {self.request_pool}")
+        need(self.n_slots() >= 1, "--slots", f"must be >= 1, got {self.slots}")
+        need(self.timeout_steps is None or self.timeout_steps >= 1, "--timeout-steps",
+             f"must be >= 1, got {self.timeout_steps}")
+        for flag, val in (("--allreduce-alpha", self.allreduce_alpha_ms),
+                          ("--allreduce-beta", self.allreduce_beta_ms),
+                          ("--prefill-base", self.prefill_base_ms),
+                          ("--prefill-per-token", self.prefill_ms_per_token)):
+            need(math.isfinite(val) and val >= 0, flag, f"must be a finite number >= 0, got {val}")
+        need(self.prefill_servers >= 1, "--prefill-servers", f"must be >= 1, got {self.prefill_servers}")
+        need(self.page_tokens >= 1, "--page-tokens", f"must be >= 1, got {self.page_tokens}")
+        need(math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0, "--bandwidth",
+             f"must be > 0 GB/s, got {self.bandwidth_gbps}")
+        for flag, p in (("--fail-prob", self.fail_prob), ("--lost-metadata-prob", self.lost_metadata_prob)):
+            need(0.0 <= p <= 1.0, flag, f"must be a probability in [0, 1], got {p}")
+        need(len(self.lag_dists()) == self.ranks, "--metadata-lag", "needs one distribution per rank")
+        need(self.lag_skew is None or len(self.lag_skew) == self.ranks, "--lag-skew",
+             "needs one multiplier per rank")
+        for s in self.stalls:
+            need(0 <= s.rank < self.ranks, "--stall", f"rank {s.rank} out of range 0..{self.ranks - 1}")
+            need(s.start_ms >= 0 and s.duration_ms > 0, "--stall", "start must be >= 0 and duration > 0")
+        return self

@@ -1,0 +1,151 @@
+"""Command-line options shared by ``pdgate simulate`` and ``pdgate sweep``, and their
+conversion into a SimConfig and a Workload. Bad values give one line naming the flag."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any, Callable, NoReturn
+
+from model.spec.variants import VARIANTS
+from sim.config import ALLREDUCE_ALPHA_MS, ALLREDUCE_BETA_MS, TE_GBPS, SimConfig, Stall
+from sim.dists import parse_dist, parse_rank_dists, parse_skew
+from sim.draws import stream
+from sim.errors import SimInputError
+from sim.workload import Workload, load_trace, synthetic
+
+
+def _number(kind: Callable[[str], Any], lo: float, strict: bool, what: str) -> Callable[[str], Any]:
+    def conv(text: str) -> Any:
+        try:
+            val = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(val) or val < lo or (strict and val == lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {lo:g}, got {text}")
+        return val
+    return conv
+
+
+positive_int = _number(int, 0, True, "an integer")
+nonneg_int = _number(int, 0, False, "an integer")
+positive_float = _number(float, 0, True, "a number")
+nonneg_float = _number(float, 0, False, "a number")
+
+
+def probability(text: str) -> float:
+    val = nonneg_float(text)
+    if val > 1:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return val
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> None:
+    """argparse prints the usage before its error; users get one line and exit 2."""
+    def error(message: str) -> NoReturn:
+        print(f"{p.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    p.error = error  # type: ignore[method-assign]
+
+
+def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """Workload, timing and fault flags (times in ms, distributions as in docs/SIMULATOR.md)."""
+    one_line_errors(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=positive_int, default=1000, help="requests to simulate")
+    if not sweep:
+        w.add_argument("--rate", type=positive_float, default=4.0, help="arrivals per second")
+    w.add_argument("--burstiness", type=positive_float, default=1.0,
+                   help="Gamma shape of inter-arrival gaps (1 = Poisson, < 1 burstier)")
+    w.add_argument("--trace-in", metavar="PATH",
+                   help="replay a Mooncake JSONL (.jsonl) or Azure CSV (.csv) trace instead")
+    w.add_argument("--input-len", default="lognormal:7,0.8", metavar="DIST", help="prompt tokens")
+    w.add_argument("--output-len", default="lognormal:5,0.8", metavar="DIST", help="output tokens")
+    t = p.add_argument_group("timing (ms)")
+    t.add_argument("--forward", default="const:25", metavar="DIST", help="decode forward pass")
+    t.add_argument("--idle-step", default="const:1", metavar="DIST",
+                   help="scheduler loop time when no batch runs")
+    t.add_argument("--allreduce-alpha", type=nonneg_float, default=ALLREDUCE_ALPHA_MS, metavar="MS")
+    t.add_argument("--allreduce-beta", type=nonneg_float, default=ALLREDUCE_BETA_MS, metavar="MS",
+                   help="per queued request")
+    t.add_argument("--prefill-base", type=nonneg_float, default=15.0, metavar="MS")
+    t.add_argument("--prefill-per-token", type=nonneg_float, default=0.04, metavar="MS")
+    t.add_argument("--prefill-servers", type=positive_int, default=4)
+    t.add_argument("--kv-bytes-per-token", type=positive_int, default=SimConfig.kv_bytes_per_token,
+                   help="KV bytes per prompt token over all ranks")
+    t.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per transfer range")
+    t.add_argument("--bandwidth", type=positive_float, default=round(TE_GBPS, 3), metavar="GBPS",
+                   help="per-rank transfer bandwidth, GB/s")
+    t.add_argument("--kv-jitter", default="const:0", metavar="DIST", help="added to each transfer")
+    if not sweep:
+        t.add_argument("--metadata-lag", action="append", metavar="DIST|RANK=DIST",
+                       help="metadata lag after KV completion (default exp:0.3); RANK=DIST overrides one rank")
+    t.add_argument("--lag-skew", metavar="S|M0,M1,..",
+                   help="per-rank lag multipliers: a ramp 1..1+S, or one per rank")
+    t.add_argument("--fence-delay", default="const:0.5", metavar="DIST",
+                   help="abort -> prefill's acknowledgement (after its writes completed)")
+    c = p.add_argument_group("capacity")
+    c.add_argument("--request-pool", type=positive_int, default=64,
+                   help="max requests transferring or running")
+    c.add_argument("--slots", type=positive_int, help="metadata slots per rank (default 2 x pool)")
+    c.add_argument("--timeout-steps", type=positive_int, help="strict's timeout in protocol steps")
+    f = p.add_argument_group("faults")
+    f.add_argument("--fail-prob", type=probability, default=0.0,
+                   help="per request: one rank's transfer fails")
+    f.add_argument("--lost-metadata-prob", type=probability, default=0.0,
+                   help="per request and rank: the metadata row never lands")
+    f.add_argument("--late-write", metavar="DIST",
+                   help="extra delay of a failed request's metadata writes (late writes after the abort)")
+    f.add_argument("--no-clear", action="store_true", help="reuse slots without zeroing the room")
+    f.add_argument("--stall", action="append", default=[], metavar="RANK:START:DURATION",
+                   help="the rank's KV and metadata are held during the window (ms)")
+
+
+def parse_stall(text: str, ranks: int) -> Stall:
+    parts = text.split(":")
+    try:
+        rank, start, dur = int(parts[0]), float(parts[1]), float(parts[2])
+        if len(parts) != 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise SimInputError(f"--stall: {text!r} must be RANK:START_MS:DURATION_MS") from None
+    if not 0 <= rank < ranks or start < 0 or not dur > 0 or not math.isfinite(start + dur):
+        raise SimInputError(f"--stall: {text!r}: rank must be in 0..{ranks - 1}, start >= 0, duration > 0")
+    return Stall(rank, start, dur)
+
+
+def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[str] | None,
+                 seed: int, several: bool = False) -> SimConfig:
+    """A validated SimConfig from the flags (variant, ranks, lag and seed given apart
+    because --compare and the sweep vary them). With ``several`` variants,
+    --timeout-steps applies to those that have a timeout."""
+    if ranks < 1:
+        raise SimInputError(f"--ranks: must be >= 1, got {ranks}")
+    timeout = args.timeout_steps
+    if several and variant in VARIANTS and VARIANTS[variant].timeout_steps is None:
+        timeout = None
+    cfg = SimConfig(
+        variant=variant, ranks=ranks, request_pool=args.request_pool, slots=args.slots,
+        timeout_steps=timeout, no_clear=args.no_clear, seed=seed,
+        forward=parse_dist(args.forward, "--forward"),
+        idle_step=parse_dist(args.idle_step, "--idle-step"),
+        allreduce_alpha_ms=args.allreduce_alpha, allreduce_beta_ms=args.allreduce_beta,
+        prefill_base_ms=args.prefill_base, prefill_ms_per_token=args.prefill_per_token,
+        prefill_servers=args.prefill_servers, kv_bytes_per_token=args.kv_bytes_per_token,
+        page_tokens=args.page_tokens, bandwidth_gbps=args.bandwidth,
+        kv_jitter=parse_dist(args.kv_jitter, "--kv-jitter"),
+        metadata_lag=tuple(parse_rank_dists(lag or ["exp:0.3"], ranks, "--metadata-lag")),
+        lag_skew=tuple(parse_skew(args.lag_skew, ranks)),
+        fence_delay=parse_dist(args.fence_delay, "--fence-delay"),
+        fail_prob=args.fail_prob, lost_metadata_prob=args.lost_metadata_prob,
+        late_write=parse_dist(args.late_write, "--late-write") if args.late_write else None,
+        stalls=tuple(parse_stall(s, ranks) for s in args.stall))
+    return cfg.validate()
+
+
+def build_workload(args: argparse.Namespace, rate: float, seed: int) -> Workload:
+    if args.trace_in:
+        return load_trace(args.trace_in, args.requests)
+    return synthetic(stream(seed, "workload"), args.requests, rate, args.burstiness,
+                     parse_dist(args.input_len, "--input-len"),
+                     parse_dist(args.output_len, "--output-len"))

@@ -1,0 +1,47 @@
+"""Small builders shared by the simulator tests."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from model.spec.trace import TraceWriter
+from sim.config import SimConfig
+from sim.dists import parse_dist
+from sim.draws import stream
+from sim.engine import RunData, Simulation, resolve_variant, trace_name
+from sim.workload import Workload, synthetic
+
+
+def workload(n: int = 200, rate: float = 8.0, seed: int = 0, burstiness: float = 1.0) -> Workload:
+    return synthetic(stream(seed, "workload"), n, rate, burstiness,
+                     parse_dist("lognormal:7,0.8", "--input-len"),
+                     parse_dist("lognormal:4,0.5", "--output-len"))
+
+
+def config(**kw) -> SimConfig:
+    if "lag" in kw:
+        lag = kw.pop("lag")
+        ranks = kw.get("ranks", 8)
+        kw["metadata_lag"] = tuple(parse_dist(x, "--metadata-lag") for x in (
+            lag if isinstance(lag, list) else [lag] * ranks))
+    for key in ("forward", "idle_step", "late_write", "fence_delay", "kv_jitter"):
+        if isinstance(kw.get(key), str):
+            kw[key] = parse_dist(kw[key], "--" + key)
+    return SimConfig(**kw)
+
+
+def run(cfg: SimConfig, wl: Workload | None = None, traced: bool = False) -> tuple[RunData, str]:
+    """Run once; with ``traced`` also return the spec trace text."""
+    wl = wl if wl is not None else workload(seed=cfg.seed)
+    if not traced:
+        return Simulation(cfg, wl).run(), ""
+    buf = io.StringIO()
+    v = resolve_variant(cfg)
+    writer = TraceWriter(buf, trace_name(v), cfg.ranks, cfg.n_slots(), "test", v.timeout_steps)
+    data = Simulation(cfg, wl, trace=writer).run()
+    return data, buf.getvalue()
+
+
+def one_request(at_ms: float = 0.0, tokens: int = 100) -> Workload:
+    return Workload(np.array([at_ms]), np.array([tokens]), np.array([5]), "one")
