@@ -50,6 +50,16 @@ def _child(target: Callable[..., Any], rank: int, world: int, port: int, group_t
     os._exit(0)     # skip gloo teardown, which can block on a peer that already left
 
 
+def _context() -> Any:
+    """forkserver where available: one clean server process imports torch once and every
+    later rank forks from it (fork from a parent that ran torch ops can deadlock)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "impl.replay"])
+    return ctx
+
+
 def run_ranks(target: Callable[..., Any], world: int, args: tuple = (), *,
               deadline_s: float = 60.0, group_timeout_s: float = 10.0) -> list[RankOutcome]:
     """Run ``target`` on ``world`` gloo ranks; returns each rank's value in rank order.
@@ -60,7 +70,7 @@ def run_ranks(target: Callable[..., Any], world: int, args: tuple = (), *,
         raise ValueError(f"need at least one rank, got {world}")
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=group_timeout_s))
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="pdgate-ranks-") as tmp:
         paths = [os.path.join(tmp, f"rank{k}.json") for k in range(world)]
         procs = [ctx.Process(target=_child, daemon=True,
@@ -90,3 +100,22 @@ def run_ranks(target: Callable[..., Any], world: int, args: tuple = (), *,
                     p.kill()
                     p.join(5)
             del store
+
+
+def timeout_probe(rank: int, world: int, timeout_s: float) -> dict:
+    """Diagnostic target: rank 0 enters a step's collective that no peer joins and must
+    get CollectiveTimeout after about ``timeout_s``; the peers stay away meanwhile."""
+    from impl.decode.collective import GlooExchange, agree_min
+    from impl.decode.errors import CollectiveTimeout
+    import torch
+
+    if rank != 0:
+        time.sleep(timeout_s + 1.0)
+        return {"rank": rank}
+    start = time.monotonic()
+    try:
+        agree_min(GlooExchange(None, timeout_s), torch.tensor([4], dtype=torch.uint8), capacity=8)
+        error = None
+    except CollectiveTimeout as exc:
+        error = str(exc)
+    return {"rank": 0, "elapsed_s": time.monotonic() - start, "error": error}
