@@ -4,13 +4,13 @@ from __future__ import annotations
 import io
 import random
 
-from model.spec import Enqueue, Step, apply, get_variant, initial_state
+from model.spec import Enqueue, Fail, Step, apply, get_variant, initial_state
 from model.spec.machine import enabled
 from model.spec.trace import TraceWriter
 
 
 def walk(variant: str, ranks: int, slots: int, length: int, seed: int,
-         timeout_steps: int | None = None) -> str:
+         timeout_steps: int | None = None, fail_rate: float = 0.1) -> str:
     """A trace of ``length`` random enabled events (steps twice as likely), ending
     early if the ranks hang; rooms are distinct, non-zero 64-bit values."""
     v = get_variant(variant, timeout_steps)
@@ -24,6 +24,8 @@ def walk(variant: str, ranks: int, slots: int, length: int, seed: int,
         events = enabled(state, [candidate])
         if not events:
             break
+        # failures are rare in practice and would otherwise abort almost everything
+        events = [e for e in events if not isinstance(e, Fail) or rng.random() < fail_rate]
         ev = rng.choice(events + [Step()])
         if isinstance(ev, Enqueue):
             n += 1

@@ -28,21 +28,21 @@ def _tensors(rs):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(VARIANTS), rows, st.integers(1, 6))
-def test_gate_matches_spec_kernel(name, rs, timeout):
+@given(st.sampled_from(VARIANTS), rows, st.integers(1, 6), st.sampled_from(["numpy", "torch"]))
+def test_gate_matches_spec_kernel(name, rs, timeout, backend):
     v = get_variant(name, timeout if name == "strict" else None)
     local, seen, exp, age, real = _tensors(rs)
-    got = gate_tensor(v, local, seen, exp, age, real).tolist()
+    got = gate_tensor(v, local, seen, exp, age, real, backend).tolist()
     want = [p if fake else gated_poll(v, p, s, e, a) for p, s, e, a, fake in rs]
     assert got == want
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(VARIANTS), rows)
-def test_pop_decisions_match_spec_kernel(name, rs):
+@given(st.sampled_from(VARIANTS), rows, st.sampled_from(["numpy", "torch"]))
+def test_pop_decisions_match_spec_kernel(name, rs, backend):
     v = get_variant(name)
     reduced, seen, exp, _, real = _tensors(rs)
-    got = decide_tensor(v, reduced, seen, exp, real).tolist()
+    got = decide_tensor(v, reduced, seen, exp, real, backend).tolist()
     want = [pop_decision(v, p, 1, 1) if fake else pop_decision(v, p, s, e)
             for p, s, e, _, fake in rs]
     assert got == want

@@ -14,7 +14,7 @@ SEEDS = range(5)
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_spec_walks_replay_step_by_step_and_ungated_fails_fast(ranks):
-    texts = [walk(v, ranks, 3, 45, seed, 2 if v == "strict" else None)
+    texts = [walk(v, ranks, 3, 45, seed, 4 if v == "strict" else None)
              for v in ("gate", "strict") for seed in SEEDS]
     texts += [walk("ungated", ranks, 2, 45, seed) for seed in SEEDS]
     texts.append(divergence(ranks))
