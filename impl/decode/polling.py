@@ -9,7 +9,7 @@ import torch
 
 from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, agree_min
 from impl.decode.errors import DecodeInputError, PeerAbortedStep
-from impl.decode.gate import apply_metadata_gate, check_polls, room_column_of, rooms_tensor
+from impl.decode.gate import check_polls, gate_decode_reqs, room_column_of, rooms_tensor
 from impl.decode.collective import digest
 from model.spec.kvpoll import KVPoll
 from model.spec.variants import Variant
@@ -27,14 +27,15 @@ def _reduce(polls: list[int], gloo_group: Any, decode_reqs: Sequence[Any] | None
     error: DecodeInputError | None = None
     fingerprint = None
     try:
-        check_polls(polls)
+        values = check_polls(polls)
         if gated:
-            apply_metadata_gate(polls, decode_reqs, metadata_buffers, variant, ages)
+            values = gate_decode_reqs(polls, decode_reqs, metadata_buffers, variant, ages)
         if decode_reqs is not None:
             fingerprint = digest(rooms_tensor([d.req.bootstrap_room or 0 for d in decode_reqs]))
     except DecodeInputError as exc:
         error = exc
-    values = torch.tensor(polls if error is None else [], dtype=torch.uint8)
+    if error is not None:
+        values = torch.empty(0, dtype=torch.uint8)
     try:
         reduced = agree_min(exchange, values, fingerprint=fingerprint, ok=error is None,
                             capacity=capacity)

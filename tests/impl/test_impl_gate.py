@@ -72,7 +72,7 @@ def test_sglang_shaped_gate_matches_spec(name, rs):
     assert out == [p if fake else gated_poll(v, p, s, e, a) for p, s, e, a, fake in rs]
 
 
-@pytest.mark.parametrize("bad", [5, -1, 255, 4.0, None, True, "4"])
+@pytest.mark.parametrize("bad", [5, -1, 255, 256, 4.0, None, "4"])
 def test_bad_poll_values_are_refused_with_polls_untouched(bad):
     buffers = MetadataBuffers(4)
     reqs = _decode_reqs([(4, 9, 9, 0, False), (4, 9, 9, 0, False)], buffers)
