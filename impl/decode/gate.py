@@ -119,6 +119,19 @@ def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
                                                                      dtype=torch.int64)
 
 
+# Representatives of every (room_seen == 0, room_seen == expected, expected == 0) case the
+# kernel can tell apart (it only compares rooms for equality, with each other and with 0).
+_ROOM_CASES = ((0, 0), (0, 1), (1, 1), (1, 2), (1, 0))
+
+
+def may_pop(v: Variant) -> np.ndarray:
+    """For each reduced poll value 0..4, whether the spec's ``pop_decision`` can let a
+    request leave. Lets a step whose MIN holds only other values skip the decisions;
+    derived from the kernel itself, so it cannot disagree with it."""
+    return np.array([any(pop_decision(v, r, s, e) != int(Decision.KEEP) for s, e in _ROOM_CASES)
+                     for r in range(_MAX_POLL + 1)], dtype=bool)
+
+
 def check_polls(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
     """The polls as a uint8 tensor, refusing anything that is not a KVPoll int.
 

@@ -18,7 +18,7 @@ from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, Dupl
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
-                              resolve_variant)
+                              may_pop, resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -122,6 +122,7 @@ class DecodeTransferQueue:
         self._fakes = 0                                  # queued fake transfers
         self._fingerprint: torch.Tensor | None = None    # digest of the queue, cached
         self._message = Message(metadata_buffers.size)   # the step's collective buffer
+        self._may_pop = may_pop(self.variant)            # reduced value -> can anything leave
         self._quarantine: list[DecodeRequest] = []
         self.steps = 0
 
@@ -232,14 +233,13 @@ class DecodeTransferQueue:
         """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
         if plan.error is not None:
             raise plan.error
+        if not self._may_pop[reduced.numpy()].any():      # no MIN value can pop anything
+            return self._keep_all(plan, reduced)
         reduced = reduced.to(self.buffers.device)
         decisions = decide_tensor(self.variant, reduced, plan.seen, self._expected, self._real)
         leave = decisions != int(Decision.KEEP)
         if not bool(leave.any()):
-            self._age += 1
-            self._trace(plan, reduced, ())
-            self.steps += 1
-            return []
+            return self._keep_all(plan, reduced)
         results = self._pop(plan.reqs, leave, decisions)
         keep = ~leave
         self._fingerprint = None
@@ -253,6 +253,12 @@ class DecodeTransferQueue:
                                     for r in results])
         self.steps += 1
         return results
+
+    def _keep_all(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
+        self._age += 1
+        self._trace(plan, reduced, ())
+        self.steps += 1
+        return []
 
     def _pop(self, reqs: list[DecodeRequest], leave: torch.Tensor,
              decisions: torch.Tensor) -> list[Committed | Aborted]:

@@ -99,3 +99,12 @@ def test_slot_out_of_range_and_bad_room_are_refused():
 def test_unsupported_variant_is_refused():
     with pytest.raises(ValueError, match="supports the variants"):
         apply_metadata_gate([], [], MetadataBuffers(1), "gate-noclear")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(VARIANTS), polls, rooms, rooms)
+def test_may_pop_table_covers_every_pop_the_kernel_makes(name, reduced, seen, exp):
+    from impl.decode.gate import may_pop
+    v = get_variant(name)
+    if pop_decision(v, reduced, seen, exp) != 0:
+        assert may_pop(v)[reduced]
