@@ -167,6 +167,7 @@ class DecodeTransferQueue:
 
     def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
         """Allocate a slot and add; on refusal the slot goes back and nothing changed."""
+        self.release_fenced()                  # slots whose writes got fenced since the step
         idx = self.allocator.alloc()
         decode_req = DecodeRequest(req, receiver, idx)
         try:
