@@ -162,7 +162,7 @@ def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torc
     if capacity is not None and length > capacity:
         raise ValueError(f"queue of {length} exceeds the collective capacity {capacity}")
     if capacity is None:
-        head = exchange.all_reduce_min(encode(values, length, fingerprint, ok, 0))
+        head = exchange.all_reduce_min(header(length, fingerprint, ok))
         agreement = read_header(head)
         if agreement.ok and agreement.same:
             body = values.to(torch.uint8).cpu().clone()
