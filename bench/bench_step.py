@@ -1,7 +1,8 @@
 """One scheduler step of poll + gate + MIN on T gloo processes (127.0.0.1), 1,024 queued
 requests: what the gate and the length/content check add to the ungated poll + MIN.
 
-Per step, every rank runs, interleaved so drift hits all alike:
+Per step, every rank runs each of these once, in a shuffled order (the same on every
+rank), so machine noise and drift hit all alike:
   ungated  - poll every receiver, one uint8 all_reduce(MIN) (SGLang's poll_and_all_reduce,
              with the same fast list->tensor conversion impl.decode uses)
   gate / strict - DecodeTransferQueue.pop_transferred(): poll, the gate, the one
@@ -12,6 +13,7 @@ Figures: rank 0's median step time (us) and overhead ratios (gated / ungated - 1
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from types import SimpleNamespace
@@ -68,10 +70,13 @@ def _step_body(rank: int, world: int, steps: int) -> dict:
     runs = {"ungated": ungated, "gate": gate_q.pop_transferred,
             "strict": strict_q.pop_transferred, "dropin": dropin}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    shuffle = random.Random(0).shuffle          # same order on every rank: lockstep
     for i in range(steps + 10):
-        for name, fn in runs.items():
+        shuffle(order)                          # no kind always runs right after another
+        for name in order:
             t0 = time.perf_counter()
-            out = fn()
+            out = runs[name]()
             if i >= 10:                          # warm-up steps are not counted
                 times[name].append(time.perf_counter() - t0)
             assert out == [] or len(out) == N, f"{name} popped requests"
