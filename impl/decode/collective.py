@@ -122,11 +122,13 @@ class GlooExchange:
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
         try:
             work = start()
-            work.wait(timeout=self._timeout)
+            finished = work.wait(timeout=self._timeout)
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise CollectiveTimeout(what, self.timeout_s) from exc
             raise CollectiveFailed(what, exc) from exc
+        if finished is False:            # some backends report a timeout by returning False
+            raise CollectiveTimeout(what, self.timeout_s)
 
     def all_reduce_min(self, msg: torch.Tensor) -> torch.Tensor:
         self._wait(f"all_reduce(MIN) of {msg.numel()} bytes",
