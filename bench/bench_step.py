@@ -16,12 +16,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from impl.decode import (DecodeRequest, DecodeTransferQueue, MetadataBuffers, Req,
+from impl.decode import (DecodeTransferQueue, MetadataBuffers, Req,
                          SlotAllocator, poll_and_all_reduce)
 from impl.ranks import run_ranks
 from model.spec import KVPoll
