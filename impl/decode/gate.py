@@ -1,0 +1,247 @@
+"""The metadata gate and the pop decisions, vectorized by running the spec's own kernel
+(``model.spec.kernel``) on tensors: the kernel is written over a small algebra (``Ops``),
+and ``TORCH`` below is that algebra on torch tensors. So there is no second copy of the
+rules here, only a different arithmetic (and the tests check the two agree).
+
+Rooms travel as int64 tensors holding the uint64 bits: equality and "is zero", the only
+operations the kernel applies to rooms, are the same on both.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from impl.decode.errors import BadPollValue, RoomOutOfRange, SlotOutOfRange
+from model.spec.kernel import Decision, Ops, gated_poll, pop_decision
+from model.spec.kvpoll import KVPoll
+from model.spec.variants import Variant, get_variant
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
+POLL_SET = frozenset(int(p) for p in KVPoll)
+_MAX_POLL = max(POLL_SET)
+GATED_VARIANTS = ("gate", "strict")
+SUPPORTED_VARIANTS = ("ungated", *GATED_VARIANTS)
+
+
+def _is_py_bool(x: Any) -> bool:
+    return isinstance(x, bool)
+
+
+def _and(*xs: Any) -> Any:
+    if any(_is_py_bool(x) and not x for x in xs):
+        return False
+    ts = [x for x in xs if not _is_py_bool(x)]
+    if not ts:
+        return True
+    out = ts[0]
+    for t in ts[1:]:
+        out = out & t
+    return out
+
+
+def _ite(c: Any, a: Any, b: Any) -> Any:
+    if _is_py_bool(c):
+        return a if c else b
+    return torch.where(c, a, b)
+
+
+def _np_ite(c: Any, a: Any, b: Any) -> Any:
+    if _is_py_bool(c):
+        return a if c else b
+    return np.where(c, a, b)
+
+
+def _not(x: Any) -> Any:
+    return (not x) if _is_py_bool(x) else ~x
+
+
+TORCH = Ops(ite=_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
+            false=False)
+# The same algebra on numpy arrays: for cpu tensors (zero-copy views), numpy's per-op
+# overhead is a few times lower than torch's at these sizes (bench/bench_gate.py).
+NUMPY = Ops(ite=_np_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
+            false=False)
+
+
+def _backend(t: torch.Tensor, backend: str | None) -> str:
+    if backend is None:
+        return "numpy" if t.device.type == "cpu" else "torch"
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"backend must be numpy or torch, got {backend!r}")
+    return backend
+
+
+def _run(kernel: Callable[..., Any], backend: str, args: tuple) -> Any:
+    """Evaluate a spec kernel on tensors, through numpy views on cpu."""
+    if backend == "torch":
+        return kernel(*args, TORCH)
+    out = kernel(*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args), NUMPY)
+    return torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out
+
+
+def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
+    """A supported variant by name (or as given), with strict's timeout overridden."""
+    v = variant if isinstance(variant, Variant) else get_variant(variant, timeout_steps)
+    if v.name not in SUPPORTED_VARIANTS:
+        raise ValueError(f"impl.decode supports the variants {', '.join(SUPPORTED_VARIANTS)}, "
+                         f"not {v.name!r}")
+    return v
+
+
+def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,
+                expected: torch.Tensor, age: torch.Tensor | int = 0,
+                real: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """Per-request value each rank puts into the MIN (``kernel.gated_poll`` on tensors).
+
+    ``real`` masks out fake transfers, which keep their local poll (no gate).
+    ``backend``: "numpy" (default on cpu) or "torch" (default elsewhere)."""
+    gated = _run(gated_poll, _backend(local, backend), (v, local, room_seen, expected, age))
+    if not isinstance(gated, torch.Tensor):
+        gated = local
+    gated = gated.to(torch.uint8) if gated.dtype != torch.uint8 else gated
+    return gated if real is None else torch.where(real, gated, local)
+
+
+def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
+                  expected: torch.Tensor, real: torch.Tensor | None = None,
+                  backend: str | None = None) -> torch.Tensor:
+    """Per-request ``Decision`` after the MIN (``kernel.pop_decision`` on tensors).
+
+    A fake transfer decides as if its room matched: commit on Success, abort on Failed."""
+    if real is not None:
+        room_seen = torch.where(real, room_seen, 1)
+        expected = torch.where(real, expected, 1)
+    out = _run(pop_decision, _backend(reduced, backend), (v, reduced, room_seen, expected))
+    return out if isinstance(out, torch.Tensor) else torch.full_like(reduced, int(out),
+                                                                     dtype=torch.int64)
+
+
+# Representatives of every (room_seen == 0, room_seen == expected, expected == 0) case the
+# kernel can tell apart (it only compares rooms for equality, with each other and with 0).
+_ROOM_CASES = ((0, 0), (0, 1), (1, 1), (1, 2), (1, 0))
+
+
+def may_pop(v: Variant) -> np.ndarray:
+    """For each reduced poll value 0..4, whether the spec's ``pop_decision`` can let a
+    request leave. Lets a step whose MIN holds only other values skip the decisions;
+    derived from the kernel itself, so it cannot disagree with it."""
+    return np.array([any(pop_decision(v, r, s, e) != int(Decision.KEEP) for s, e in _ROOM_CASES)
+                     for r in range(_MAX_POLL + 1)], dtype=bool)
+
+
+def check_polls(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
+    """The polls as a uint8 tensor, refusing anything that is not a KVPoll int.
+
+    ``bytearray`` does the type and 0..255 check at C speed (a bool counts as the int it
+    is); the slow loop only runs to name the offender."""
+    try:
+        raw = bytearray(polls)
+        if not raw or max(raw) <= _MAX_POLL:
+            return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    except (TypeError, ValueError):
+        pass
+    for i, p in enumerate(polls):
+        if not isinstance(p, int) or int(p) not in POLL_SET:
+            raise BadPollValue(rid_of(i) if rid_of is not None else None, p)
+    raise AssertionError("unreachable")
+
+
+_SLOT = attrgetter("metadata_buffer_index")
+_ROOM = attrgetter("req.bootstrap_room")
+_HOST = attrgetter("req.bootstrap_host")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    """Every value an int (not a bool), checked per distinct type at C speed."""
+    return all(t is int or (issubclass(t, int) and t is not bool) for t in set(map(type, values)))
+
+
+def rooms_tensor(rooms: Sequence[int], device: torch.device | str = "cpu",
+                 rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
+    """Expected rooms (0..2^64-1) as an int64 tensor with the same bits."""
+    try:
+        if not _all_ints(rooms):
+            raise TypeError("not an int")
+        arr = np.fromiter(rooms, np.uint64, count=len(rooms))
+        return torch.from_numpy(arr).view(torch.int64).to(device)
+    except (TypeError, ValueError, OverflowError):
+        for i, r in enumerate(rooms):
+            if not _is_int(r) or not 0 <= r < 2**64:
+                raise RoomOutOfRange(rid_of(i) if rid_of is not None else str(i), r) from None
+        raise
+
+
+def gather_rooms(room_column: torch.Tensor, slots: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """The one gather: the sentinel each queued request's slot holds now."""
+    if check and slots.numel():
+        bad = (slots < 0) | (slots >= room_column.shape[0])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise SlotOutOfRange(int(slots[i]), room_column.shape[0])
+    return room_column.index_select(0, slots)
+
+
+def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_buffers: Any,
+                        variant: str | Variant = "gate", ages: Sequence[int] | None = None,
+                        ) -> list[int]:
+    """SGLang's ``_apply_metadata_gate`` shape, vectorized: returns the gated polls and
+    also writes them into ``polls`` (SGLang mutates in place). See ``gate_decode_reqs``."""
+    gated = gate_decode_reqs(polls, decode_reqs, metadata_buffers, variant, ages)
+    polls[:] = gated.tolist()
+    return polls
+
+
+def gate_decode_reqs(polls: list[int], decode_reqs: Sequence[Any], metadata_buffers: Any,
+                     variant: str | Variant = "gate", ages: Sequence[int] | None = None,
+                     ) -> torch.Tensor:
+    """The gated polls (uint8 tensor) for SGLang's argument shapes: one gather, no .item().
+
+    ``decode_reqs[i].req.bootstrap_room`` / ``.req.bootstrap_host`` /
+    ``.metadata_buffer_index`` and ``metadata_buffers.bootstrap_room`` (size, 8) are
+    read as SGLang lays them out. ``ages`` (steps polled so far) feeds strict's timeout.
+    Raises a DecodeInputError with ``polls`` untouched on bad input.
+    """
+    v = resolve_variant(variant)
+    n = len(polls)
+    if len(decode_reqs) != n:
+        raise ValueError(f"{n} polls for {len(decode_reqs)} decode requests")
+    local = check_polls(polls)
+    if n == 0:
+        return local
+    room_col = room_column_of(metadata_buffers)
+    dev = room_col.device
+    # C-level attribute reads (map + attrgetter + fromiter): no per-request bytecode
+    slot_list = list(map(_SLOT, decode_reqs))
+    if not _all_ints(slot_list):
+        bad = next(x for x in slot_list if not _is_int(x))
+        raise SlotOutOfRange(bad, int(room_col.shape[0]))
+    slots = torch.from_numpy(np.fromiter(slot_list, np.int64, count=n)).to(dev)
+    expected = rooms_tensor(list(map(_ROOM, decode_reqs)), dev,
+                            lambda i: decode_reqs[i].req.rid)
+    hosts = list(map(_HOST, decode_reqs))
+    real = (torch.tensor([h != FAKE_BOOTSTRAP_HOST for h in hosts], device=dev)
+            if FAKE_BOOTSTRAP_HOST in set(hosts) else None)
+    age = torch.tensor(list(ages), dtype=torch.int64, device=dev) if ages is not None else 0
+    local = local.to(dev)
+    seen = gather_rooms(room_col, slots)
+    return gate_tensor(v, local, seen, expected, age, real)
+
+
+def room_column_of(metadata_buffers: Any) -> torch.Tensor:
+    """Column 0 of ``bootstrap_room`` as int64 (ours or an SGLang MetadataBuffers)."""
+    col = getattr(metadata_buffers, "room_column", None)
+    if col is not None:
+        return col
+    room = metadata_buffers.bootstrap_room
+    return (room.view(torch.int64) if room.dtype == torch.uint64 else room.to(torch.int64))[:, 0]
+
+
+__all__ = ["FAKE_BOOTSTRAP_HOST", "TORCH", "Decision", "apply_metadata_gate", "check_polls",
+           "decide_tensor", "gate_tensor", "gather_rooms", "resolve_variant", "rooms_tensor"]
