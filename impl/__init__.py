@@ -1,0 +1,1 @@
+"""The production side of pdgate: the gated decode path (``impl.decode``) and its drivers."""
