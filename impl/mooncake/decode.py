@@ -17,7 +17,7 @@ import zmq
 
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Region
-from impl.mooncake.receiver import FAILED, SUCCESS, WAITING, MooncakeKVReceiver
+from impl.mooncake.receiver import FAILED, SUCCESS, MooncakeKVReceiver
 
 log = logging.getLogger("pdgate.mooncake.decode")
 
@@ -143,7 +143,7 @@ class DecodeTransport:
             receiver.deliver(FAILED, f"prefill {endpoint} is unreachable")
             return receiver
         link.sock.send_multipart(fr.Xfer(room, self.rank, slot, tuple(pages)).encode())
-        receiver.deliver(WAITING)
+        receiver.sent()
         return receiver
 
     def abort(self, room: int) -> None:

@@ -43,7 +43,6 @@ class _Job:
     spec: RequestSpec
     rank: int
     xfer: fr.Xfer
-    not_before: float = 0.0
     stage: str = "kv"             # kv -> meta -> done
     cancelled: bool = False
     running: bool = False
@@ -84,7 +83,7 @@ class PrefillServer:
                 self._src[off:off + n] = kv_bytes(s, r, page_bytes).reshape(-1)
                 self._src_at[(s.room, r)] = off
                 off += n
-        self._src_region = engine.register("prefill-kv", self._src.ctypes.data, self._src.nbytes)
+        self._regions = [engine.register("prefill-kv", self._src.ctypes.data, self._src.nbytes)]
         self._meta: dict[str, np.ndarray] = {}          # field -> (requests, item_bytes) rows
         self._row_of = {s.room: i for i, s in enumerate(specs)}
         self._ranks: dict[int, _Rank] = {}
@@ -187,7 +186,8 @@ class PrefillServer:
         rows = np.zeros((max(len(self.specs), 1), item_bytes), dtype=np.uint8)
         for room, i in self._row_of.items():
             rows[i] = np.frombuffer(metadata_row(self.specs[room], name, item_bytes), dtype=np.uint8)
-        self.engine.register(f"prefill-meta-{name}", rows.ctypes.data, rows.nbytes)
+        self._regions.append(self.engine.register(f"prefill-meta-{name}", rows.ctypes.data,
+                                                  rows.nbytes))
         return rows
 
     def _on_xfer(self, ident: bytes, x: fr.Xfer) -> None:
@@ -247,11 +247,6 @@ class PrefillServer:
             job = self._work.get()
             if job is None:
                 return
-            wait = job.not_before - time.monotonic()
-            if wait > 0:                       # a delayed metadata write: requeue until due
-                self._work.put(job)
-                time.sleep(min(wait, 0.002))
-                continue
             with self._lock:
                 if job.cancelled:
                     continue
@@ -286,8 +281,9 @@ class PrefillServer:
                 return
             if delay:
                 self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
-                job.not_before = time.monotonic() + delay
-                self._work.put(job)
+                timer = threading.Timer(delay, self._work.put, args=(job,))
+                timer.daemon = True
+                timer.start()
                 return
         if job.cancelled:
             return
@@ -314,7 +310,8 @@ class PrefillServer:
         with self._lock:
             return all(j.stage == "done" or j.cancelled for j in self._jobs.values())
 
-    def close(self) -> None:
+    def close(self, close_engine: bool = True) -> None:
+        """Stop serving and unregister this server's buffers (``close_engine``: all)."""
         self._stop.set()
         for _ in self._threads[1:]:
             self._work.put(None)
@@ -323,4 +320,7 @@ class PrefillServer:
         self._router.close()
         for r in self._ranks.values():
             r.push.close()
-        self.engine.close()
+        for region in self._regions:
+            self.engine.unregister(region)
+        if close_engine:
+            self.engine.close()

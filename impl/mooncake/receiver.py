@@ -72,6 +72,15 @@ class MooncakeKVReceiver:
                 self.success_at = at
             return True
 
+    def sent(self) -> None:
+        """The rank's own thread sent the XFER: WaitingForInput is visible at once (it is
+        not news from the network, so it does not wait for ``observe``)."""
+        with self._lock:
+            if self._pending == BOOTSTRAPPING:
+                self._pending = WAITING
+            if self._visible == BOOTSTRAPPING:
+                self._visible = WAITING
+
     def deliver_fence(self) -> None:
         with self._lock:
             self._pending_fence = True
