@@ -1,0 +1,150 @@
+"""The MIN agreement across TP ranks, made impossible to hang or mix silently.
+
+One fixed-shape uint8 all-reduce(MIN) per step (SGLang #36928's proposal): a header,
+then the polls padded to ``capacity`` (the number of metadata slots, an upper bound on
+any queue). The header carries a status byte and the queue's length and content digest
+twice, as bytes and as their complements (255 - b): after a MIN, b_min + c_min == 255 at
+every position iff all ranks sent the same bytes. So one collective both reduces and
+proves the ranks reduced the same queue; on the rare failure a second small collective
+(all_gather) names every rank's length. Every collective waits at most ``timeout_s``.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from impl.decode.errors import (CollectiveFailed, CollectiveLengthMismatch, CollectiveTimeout,
+                                PeerAbortedStep, QueueContentMismatch)
+
+LEN_BYTES, DIGEST_BYTES = 4, 8
+_PAYLOAD = LEN_BYTES + DIGEST_BYTES
+HEADER = 1 + 2 * _PAYLOAD               # status, (length, digest), their complements
+DEFAULT_TIMEOUT_S = 30.0
+_PAD = 255
+# odd 64-bit mixing constants, as signed int64 (torch wraps on overflow)
+_K1, _K2, _K3 = 0x9E3779B97F4A7C15 - 2**64, 0x632BE59BD9B4E019, 0xD6E8FEB86659FD93 - 2**64
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What one rank learned from the header after the MIN."""
+    ok: bool              # every rank sent status 1
+    same: bool            # every rank sent the same length and digest
+
+
+def digest(rooms: torch.Tensor) -> torch.Tensor:
+    """An order-sensitive 64-bit fingerprint of the queue (its expected rooms), as a
+    1-element int64 tensor; wraps on overflow, which is fine for a fingerprint."""
+    if rooms.numel() == 0:
+        return torch.zeros(1, dtype=torch.int64)
+    w = torch.arange(1, rooms.numel() + 1, dtype=torch.int64, device=rooms.device)
+    x = rooms * _K1 + w * _K2           # bind each room to its position...
+    x = (x ^ (x >> 31)) * _K3            # ...then mix non-linearly so a sum cannot cancel
+    return (x ^ (x >> 29)).sum().reshape(1).cpu()
+
+
+def encode(values: torch.Tensor, length: int, fingerprint: torch.Tensor | None, ok: bool,
+           capacity: int | None) -> torch.Tensor:
+    """The message one rank contributes: header + values (+ padding to ``capacity``)."""
+    width = HEADER + (length if capacity is None else capacity)
+    msg = torch.full((width,), _PAD, dtype=torch.uint8)
+    msg[0] = 1 if ok else 0
+    msg[1:1 + LEN_BYTES] = torch.tensor(list(length.to_bytes(LEN_BYTES, "big")), dtype=torch.uint8)
+    if fingerprint is not None:
+        msg[1 + LEN_BYTES:1 + _PAYLOAD] = fingerprint.view(torch.uint8)
+    else:
+        msg[1 + LEN_BYTES:1 + _PAYLOAD] = 0
+    torch.sub(255, msg[1:1 + _PAYLOAD], out=msg[1 + _PAYLOAD:HEADER])
+    if ok and length and values.numel():
+        msg[HEADER:HEADER + length] = values.cpu()
+    return msg
+
+
+def read_header(reduced: torch.Tensor) -> Agreement:
+    h = reduced[:HEADER].tolist()
+    same = all(a + b == 255 for a, b in zip(h[1:1 + _PAYLOAD], h[1 + _PAYLOAD:HEADER]))
+    return Agreement(ok=h[0] == 1, same=same)
+
+
+def raise_disagreement(rows: Sequence[Sequence[int]]) -> None:
+    """Given every rank's (status, length, digest), raise the error that explains it."""
+    aborted = [k for k, r in enumerate(rows) if r[0] != 1]
+    if aborted:
+        raise PeerAbortedStep(aborted)
+    lengths = [r[1] for r in rows]
+    if len(set(lengths)) > 1:
+        raise CollectiveLengthMismatch(lengths)
+    differ = [k for k, r in enumerate(rows) if r[2] != rows[0][2]]
+    raise QueueContentMismatch(differ or list(range(len(rows))))
+
+
+class GlooExchange:
+    """Runs the collectives of one step on a (gloo) process group with a timeout each."""
+
+    def __init__(self, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        if timeout_s <= 0:
+            raise ValueError(f"collective timeout must be > 0 s, got {timeout_s}")
+        self.group = group
+        self.timeout_s = timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def _wait(self, what: str, start: Callable[[], Any]) -> None:
+        try:
+            work = start()
+            work.wait(timeout=self._timeout)
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise CollectiveTimeout(what, self.timeout_s) from exc
+            raise CollectiveFailed(what, exc) from exc
+
+    def all_reduce_min(self, msg: torch.Tensor) -> torch.Tensor:
+        self._wait(f"all_reduce(MIN) of {msg.numel()} bytes",
+                   lambda: dist.all_reduce(msg, op=dist.ReduceOp.MIN, group=self.group,
+                                           async_op=True))
+        return msg
+
+    def all_gather_rows(self, row: list[int]) -> list[list[int]]:
+        mine = torch.tensor(row, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait("all_gather of queue headers",
+                   lambda: dist.all_gather(out, mine, group=self.group, async_op=True))
+        return [t.tolist() for t in out]
+
+
+def fingerprint_row(length: int, fingerprint: torch.Tensor | None, ok: bool) -> list[int]:
+    return [1 if ok else 0, length, int(fingerprint[0]) if fingerprint is not None else 0]
+
+
+def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torch.Tensor | None = None,
+              ok: bool = True, capacity: int | None = None) -> torch.Tensor:
+    """Element-wise MIN of ``values`` (uint8) over every rank of the group.
+
+    Raises CollectiveLengthMismatch / QueueContentMismatch / PeerAbortedStep on every
+    rank when they disagree, CollectiveTimeout when a peer never arrives. ``ok=False``
+    says this rank has a local error: it still takes part, so its peers fail fast too.
+    With ``capacity`` the step needs one collective; without it, the header goes first.
+    """
+    length = int(values.numel())
+    if capacity is not None and length > capacity:
+        raise ValueError(f"queue of {length} exceeds the collective capacity {capacity}")
+    if capacity is None:
+        head = exchange.all_reduce_min(encode(values, length, fingerprint, ok, 0))
+        agreement = read_header(head)
+        if agreement.ok and agreement.same:
+            body = values.to(torch.uint8).cpu().clone()
+            return exchange.all_reduce_min(body) if length else body
+    else:
+        reduced = exchange.all_reduce_min(encode(values, length, fingerprint, ok, capacity))
+        agreement = read_header(reduced)
+        if agreement.ok and agreement.same:
+            return reduced[HEADER:HEADER + length]
+    raise_disagreement(exchange.all_gather_rows(fingerprint_row(length, fingerprint, ok)))
+    raise AssertionError("unreachable")

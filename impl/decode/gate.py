@@ -1,0 +1,165 @@
+"""The metadata gate and the pop decisions, vectorized by running the spec's own kernel
+(``model.spec.kernel``) on tensors: the kernel is written over a small algebra (``Ops``),
+and ``TORCH`` below is that algebra on torch tensors. So there is no second copy of the
+rules here, only a different arithmetic (and the tests check the two agree).
+
+Rooms travel as int64 tensors holding the uint64 bits: equality and "is zero", the only
+operations the kernel applies to rooms, are the same on both.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from impl.decode.errors import BadPollValue, RoomOutOfRange, SlotOutOfRange
+from model.spec.kernel import Decision, Ops, gated_poll, pop_decision
+from model.spec.kvpoll import KVPoll
+from model.spec.variants import Variant, get_variant
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
+POLL_SET = frozenset(int(p) for p in KVPoll)
+GATED_VARIANTS = ("gate", "strict")
+SUPPORTED_VARIANTS = ("ungated", *GATED_VARIANTS)
+
+
+def _is_py_bool(x: Any) -> bool:
+    return isinstance(x, bool)
+
+
+def _and(*xs: Any) -> Any:
+    if any(_is_py_bool(x) and not x for x in xs):
+        return False
+    ts = [x for x in xs if not _is_py_bool(x)]
+    if not ts:
+        return True
+    out = ts[0]
+    for t in ts[1:]:
+        out = out & t
+    return out
+
+
+def _ite(c: Any, a: Any, b: Any) -> Any:
+    if _is_py_bool(c):
+        return a if c else b
+    return torch.where(c, a, b)
+
+
+def _not(x: Any) -> Any:
+    return (not x) if _is_py_bool(x) else ~x
+
+
+TORCH = Ops(ite=_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
+            false=False)
+
+
+def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
+    """A supported variant by name (or as given), with strict's timeout overridden."""
+    v = variant if isinstance(variant, Variant) else get_variant(variant, timeout_steps)
+    if v.name not in SUPPORTED_VARIANTS:
+        raise ValueError(f"impl.decode supports the variants {', '.join(SUPPORTED_VARIANTS)}, "
+                         f"not {v.name!r}")
+    return v
+
+
+def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,
+                expected: torch.Tensor, age: torch.Tensor | int = 0,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-request value each rank puts into the MIN (``kernel.gated_poll`` on tensors).
+
+    ``real`` masks out fake transfers, which keep their local poll (no gate)."""
+    gated = gated_poll(v, local, room_seen, expected, age, TORCH)
+    if not isinstance(gated, torch.Tensor):
+        gated = local
+    gated = gated.to(torch.uint8) if gated.dtype != torch.uint8 else gated
+    return gated if real is None else torch.where(real, gated, local)
+
+
+def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
+                  expected: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-request ``Decision`` after the MIN (``kernel.pop_decision`` on tensors).
+
+    A fake transfer decides as if its room matched: commit on Success, abort on Failed."""
+    if real is not None:
+        room_seen = torch.where(real, room_seen, 1)
+        expected = torch.where(real, expected, 1)
+    out = pop_decision(v, reduced, room_seen, expected, TORCH)
+    return out if isinstance(out, torch.Tensor) else torch.full_like(reduced, int(out),
+                                                                     dtype=torch.int64)
+
+
+def check_polls(polls: Sequence[Any], rids: Sequence[str] | None = None) -> None:
+    """Refuse anything that is not a KVPoll int, at C speed for the common case."""
+    types_ok = all(t is int or (issubclass(t, int) and t is not bool) for t in set(map(type, polls)))
+    if types_ok and POLL_SET.issuperset(polls):
+        return
+    for i, p in enumerate(polls):
+        if isinstance(p, bool) or not isinstance(p, int) or int(p) not in POLL_SET:
+            raise BadPollValue(rids[i] if rids is not None else None, p)
+
+
+def rooms_tensor(rooms: Sequence[int], device: torch.device | str = "cpu",
+                 rids: Sequence[str] | None = None) -> torch.Tensor:
+    """Expected rooms (0..2^64-1) as an int64 tensor with the same bits."""
+    try:
+        return torch.tensor(list(rooms), dtype=torch.uint64, device=device).view(torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        for i, r in enumerate(rooms):
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 2**64:
+                raise RoomOutOfRange(rids[i] if rids is not None else str(i), r) from None
+        raise
+
+
+def gather_rooms(room_column: torch.Tensor, slots: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """The one gather: the sentinel each queued request's slot holds now."""
+    if check and slots.numel():
+        bad = (slots < 0) | (slots >= room_column.shape[0])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise SlotOutOfRange(int(slots[i]), room_column.shape[0])
+    return room_column.index_select(0, slots)
+
+
+def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_buffers: Any,
+                        variant: str | Variant = "gate", ages: Sequence[int] | None = None,
+                        ) -> list[int]:
+    """SGLang's ``_apply_metadata_gate`` shape, vectorized: returns the gated polls and
+    also writes them into ``polls`` (SGLang mutates in place).
+
+    ``decode_reqs[i].req.bootstrap_room`` / ``.req.bootstrap_host`` /
+    ``.metadata_buffer_index`` and ``metadata_buffers.bootstrap_room`` (size, 8) are
+    read as SGLang lays them out. ``ages`` (steps polled so far) feeds strict's timeout.
+    Raises a DecodeInputError with ``polls`` untouched on bad input.
+    """
+    v = resolve_variant(variant)
+    n = len(polls)
+    if len(decode_reqs) != n:
+        raise ValueError(f"{n} polls for {len(decode_reqs)} decode requests")
+    check_polls(polls)
+    if n == 0:
+        return polls
+    reqs = [d.req for d in decode_reqs]
+    room_col = room_column_of(metadata_buffers)
+    dev = room_col.device
+    slots = torch.tensor([d.metadata_buffer_index for d in decode_reqs], dtype=torch.int64,
+                         device=dev)
+    expected = rooms_tensor([r.bootstrap_room for r in reqs], dev, [r.rid for r in reqs])
+    real = torch.tensor([r.bootstrap_host != FAKE_BOOTSTRAP_HOST for r in reqs], device=dev)
+    age = torch.tensor(list(ages), dtype=torch.int64, device=dev) if ages is not None else 0
+    local = torch.tensor(polls, dtype=torch.uint8, device=dev)
+    seen = gather_rooms(room_col, slots)
+    polls[:] = gate_tensor(v, local, seen, expected, age, real).tolist()
+    return polls
+
+
+def room_column_of(metadata_buffers: Any) -> torch.Tensor:
+    """Column 0 of ``bootstrap_room`` as int64 (ours or an SGLang MetadataBuffers)."""
+    col = getattr(metadata_buffers, "room_column", None)
+    if col is not None:
+        return col
+    room = metadata_buffers.bootstrap_room
+    return (room.view(torch.int64) if room.dtype == torch.uint64 else room.to(torch.int64))[:, 0]
+
+
+__all__ = ["FAKE_BOOTSTRAP_HOST", "TORCH", "Decision", "apply_metadata_gate", "check_polls",
+           "decide_tensor", "gate_tensor", "gather_rooms", "resolve_variant", "rooms_tensor"]

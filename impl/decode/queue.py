@@ -1,0 +1,328 @@
+"""The decode transfer queue: add, then once per scheduler step ``pop_transferred``
+(poll -> gate -> MIN -> pop -> clear -> free), as a thin driver around the spec's kernel.
+
+A step is split into ``begin_step`` (local: polls and gate, no state change),
+the collective, and ``finish_step`` (apply the MIN), so that tests can run several
+ranks in one process and the real path runs them over gloo; see docs/IMPL.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from impl.decode.buffers import MetadataBuffers, SlotAllocator
+from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, agree_min, digest
+from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, DuplicateRequest,
+                                DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
+                                SlotNotAllocated, ZeroRoom)
+from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
+                              resolve_variant)
+from impl.decode.trace import StepTrace, Tracer
+from model.spec.kernel import Decision
+from model.spec.variants import Variant
+
+
+@runtime_checkable
+class KVReceiver(Protocol):
+    """What the queue needs from a transfer receiver (SGLang's BaseKVReceiver subset).
+
+    Optional: ``writes_fenced() -> bool``, True once no write for this request can still
+    land in its metadata slot (all fields landed, or prefill acknowledged the abort).
+    Variants that fence before reuse (strict) keep a popped request's slot out of the
+    free list until it says True; a receiver without the method counts as fenced.
+    It must stay callable after ``clear()``.
+    """
+
+    def poll(self) -> int: ...
+
+    def failure_exception(self) -> Exception | None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass
+class Req:
+    rid: str
+    bootstrap_room: int
+    bootstrap_host: str = "127.0.0.1"
+
+
+@dataclass
+class DecodeRequest:
+    req: Req
+    kv_receiver: KVReceiver
+    metadata_buffer_index: int
+
+    @property
+    def is_fake(self) -> bool:
+        return self.req.bootstrap_host == FAKE_BOOTSTRAP_HOST
+
+
+@dataclass(frozen=True)
+class Committed:
+    """All ranks agreed on Success and this rank's slot holds the request's own row."""
+    decode_req: DecodeRequest
+    slot: int
+    first_token: int
+    fields: dict[str, torch.Tensor] = field(repr=False)
+    decision: Decision = Decision.COMMIT
+
+
+@dataclass(frozen=True)
+class Aborted:
+    decode_req: DecodeRequest
+    slot: int
+    decision: Decision
+    reason: str
+
+
+def _writes_fenced(receiver: Any) -> bool:
+    check = getattr(receiver, "writes_fenced", None)
+    return True if check is None else bool(check())
+
+
+@dataclass
+class StepPlan:
+    """The local half of a step: nothing in the queue has changed yet."""
+    reqs: list[DecodeRequest]
+    local: torch.Tensor
+    seen: torch.Tensor
+    gated: torch.Tensor
+    fingerprint: torch.Tensor
+    error: DecodeInputError | None = None
+
+
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+
+
+class DecodeTransferQueue:
+    def __init__(self, gloo_group: Any, metadata_buffers: MetadataBuffers,
+                 allocator: SlotAllocator, variant: str | Variant = "strict",
+                 timeout_steps: int | None = None,
+                 collective_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 tracer: Tracer | None = None, exchange: GlooExchange | None = None):
+        self.variant = resolve_variant(variant, timeout_steps)
+        if allocator.size != metadata_buffers.size:
+            raise ValueError(f"allocator has {allocator.size} slots, buffers {metadata_buffers.size}")
+        self.buffers, self.allocator, self.tracer = metadata_buffers, allocator, tracer
+        self.exchange = exchange or GlooExchange(gloo_group, collective_timeout_s)
+        dev = metadata_buffers.device
+        self._reqs: list[DecodeRequest] = []
+        self._pending: list[DecodeRequest] = []          # added, not yet in the tensors
+        self._slots = _EMPTY_I64.to(dev)
+        self._expected = _EMPTY_I64.to(dev)
+        self._age = _EMPTY_I64.to(dev)
+        self._real = torch.empty(0, dtype=torch.bool, device=dev)
+        self._rooms: dict[int, str] = {}                 # queued real room -> rid
+        self._holders: dict[int, str] = {}               # slot -> rid (queued or quarantined)
+        self._rids: set[str] = set()                     # queued request ids
+        self._quarantine: list[DecodeRequest] = []
+        self.steps = 0
+
+    # -- queue contents -------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def queue(self) -> list[DecodeRequest]:
+        return list(self._reqs)
+
+    @property
+    def quarantined(self) -> list[DecodeRequest]:
+        return list(self._quarantine)
+
+    def add(self, decode_req: DecodeRequest) -> None:
+        """Queue a request whose slot the caller allocated; refuses bad input untouched."""
+        req, idx = decode_req.req, decode_req.metadata_buffer_index
+        if req.rid in self._rids:
+            raise DuplicateRequest(req.rid)
+        self.buffers.check_index(idx, req.rid)
+        if idx in self._holders:
+            raise SlotInUse(idx, self._holders[idx], req.rid)
+        if not self.allocator.is_allocated(idx):
+            raise SlotNotAllocated(idx)
+        room = req.bootstrap_room
+        if not decode_req.is_fake:
+            if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**64:
+                raise RoomOutOfRange(req.rid, room)
+            if room == 0:
+                raise ZeroRoom(req.rid)
+            if room in self._rooms:
+                raise DuplicateRoom(room, self._rooms[room], req.rid)
+            self._rooms[room] = req.rid
+        self._holders[idx] = req.rid
+        self._rids.add(req.rid)
+        self._reqs.append(decode_req)
+        self._pending.append(decode_req)
+
+    def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
+        """Allocate a slot and add; on refusal the slot goes back and nothing changed."""
+        idx = self.allocator.alloc()
+        decode_req = DecodeRequest(req, receiver, idx)
+        try:
+            self.add(decode_req)
+        except Exception:
+            self.allocator.undo_alloc(idx)
+            raise
+        return decode_req
+
+    def _sync(self) -> None:
+        """Move pending adds into the per-request tensors (one concatenation per step)."""
+        if not self._pending:
+            return
+        new, dev = self._pending, self.buffers.device
+        slots = torch.tensor([d.metadata_buffer_index for d in new], dtype=torch.int64, device=dev)
+        rooms = torch.tensor([0 if d.is_fake else d.req.bootstrap_room for d in new],
+                             dtype=torch.uint64, device=dev).view(torch.int64)
+        real = torch.tensor([not d.is_fake for d in new], dtype=torch.bool, device=dev)
+        self._slots = torch.cat([self._slots, slots])
+        self._expected = torch.cat([self._expected, rooms])
+        self._real = torch.cat([self._real, real])
+        self._age = torch.cat([self._age, torch.zeros(len(new), dtype=torch.int64, device=dev)])
+        self._pending = []
+
+    # -- one protocol step ----------------------------------------------------------
+    def pop_transferred(self) -> list[Committed | Aborted]:
+        """One scheduler step on this rank; every rank of the group must call it."""
+        self.release_fenced()
+        plan = self.begin_step()
+        try:
+            reduced = agree_min(self.exchange, plan.gated, fingerprint=plan.fingerprint,
+                                ok=plan.error is None, capacity=self.buffers.size)
+        except PeerAbortedStep:
+            if plan.error is not None:
+                raise plan.error from None
+            raise
+        except CollectiveLengthMismatch as exc:
+            self._trace(plan, (), (), hang=exc.lengths, error=str(exc))
+            raise
+        return self.finish_step(plan, reduced)
+
+    def begin_step(self) -> StepPlan:
+        """Poll every receiver and gate locally. Changes nothing; a bad poll is kept in
+        ``plan.error`` so the rank can still tell its peers before raising."""
+        self._sync()
+        reqs = list(self._reqs)
+        polls = [d.kv_receiver.poll() for d in reqs]
+        fp = digest(self._expected)
+        try:
+            check_polls(polls, [d.req.rid for d in reqs])
+        except DecodeInputError as exc:
+            empty = torch.empty(0, dtype=torch.uint8)
+            return StepPlan(reqs, empty, _EMPTY_I64, empty, fp, exc)
+        local = torch.tensor(polls, dtype=torch.uint8, device=self.buffers.device)
+        seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
+        gated = gate_tensor(self.variant, local, seen, self._expected, self._age, self._real)
+        return StepPlan(reqs, local, seen, gated, fp)
+
+    def finish_step(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
+        """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
+        if plan.error is not None:
+            raise plan.error
+        reduced = reduced.to(self.buffers.device)
+        decisions = decide_tensor(self.variant, reduced, plan.seen, self._expected, self._real)
+        leave = decisions != int(Decision.KEEP)
+        if not bool(leave.any()):
+            self._age += 1
+            self._trace(plan, reduced, ())
+            self.steps += 1
+            return []
+        results = self._pop(plan.reqs, leave, decisions)
+        keep = ~leave
+        self._slots, self._expected = self._slots[keep], self._expected[keep]
+        self._real, self._age = self._real[keep], self._age[keep] + 1
+        keep_list = keep.tolist()
+        self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
+        self._trace(plan, reduced, [(r.decode_req.req.rid, int(r.decision),
+                                     r.first_token if isinstance(r, Committed) else 0)
+                                    for r in results])
+        self.steps += 1
+        return results
+
+    def _pop(self, reqs: list[DecodeRequest], leave: torch.Tensor,
+             decisions: torch.Tensor) -> list[Committed | Aborted]:
+        positions = leave.nonzero().flatten()
+        kinds = decisions.index_select(0, positions).tolist()
+        slots = self._slots.index_select(0, positions)
+        commit = decisions.index_select(0, positions) == int(Decision.COMMIT)
+        rows = self._read_rows(slots[commit]) if bool(commit.any()) else []
+        results: list[Committed | Aborted] = []
+        row_iter = iter(rows)
+        for pos, kind, slot in zip(positions.tolist(), kinds, slots.tolist()):
+            d = reqs[pos]
+            if kind == int(Decision.COMMIT):
+                first, fields = next(row_iter)
+                results.append(Committed(d, slot, first, fields))
+            else:
+                results.append(Aborted(d, slot, Decision(kind), self._reason(d, Decision(kind), slot)))
+        for r in results:
+            self._release(r.decode_req)
+        return results
+
+    def _read_rows(self, slots: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Every field's rows for the committed slots: one index_select per field."""
+        firsts = self.buffers.output_ids.index_select(0, slots)[:, 0].tolist()
+        per_field = {name: t.index_select(0, slots).unbind(0)
+                     for name, t in self.buffers.fields.items()}
+        return [(firsts[i], {name: rows[i] for name, rows in per_field.items()})
+                for i in range(len(firsts))]
+
+    def _reason(self, d: DecodeRequest, kind: Decision, slot: int) -> str:
+        if kind is Decision.ABORT_FAILED:
+            exc = d.kv_receiver.failure_exception()
+            return f"transfer failed on this or another rank{': ' + str(exc) if exc else ''}"
+        seen = self.buffers.read_room(slot)
+        if kind is Decision.ABORT_ROOM_ZERO:
+            return "all ranks reported Success but this slot's bootstrap_room reads 0"
+        return (f"slot {slot} holds bootstrap_room {seen}, expected {d.req.bootstrap_room} "
+                "(another request's metadata)")
+
+    def _release(self, d: DecodeRequest) -> None:
+        self._rids.discard(d.req.rid)
+        if not d.is_fake:
+            self._rooms.pop(d.req.bootstrap_room, None)
+        d.kv_receiver.clear()
+        if self.variant.fence_before_reuse and not _writes_fenced(d.kv_receiver):
+            self._quarantine.append(d)
+        else:
+            self._free(d.metadata_buffer_index)
+
+    def _free(self, slot: int) -> None:
+        if self.variant.clear_on_free:
+            self.buffers.clear_slot(slot)
+        del self._holders[slot]
+        self.allocator.free(slot)
+
+    def release_fenced(self) -> list[int]:
+        """Free quarantined slots whose writes are fenced now, in quarantine order."""
+        freed, still = [], []
+        for d in self._quarantine:
+            if _writes_fenced(d.kv_receiver):
+                self._free(d.metadata_buffer_index)
+                freed.append(d.metadata_buffer_index)
+            else:
+                still.append(d)
+        self._quarantine = still
+        return freed
+
+    def _trace(self, plan: StepPlan, reduced: Any, popped: Sequence[tuple[str, int, int]],
+               hang: tuple[int, ...] | None = None, error: str | None = None) -> None:
+        if self.tracer is None:
+            return
+        as_list = (lambda t: tuple(t.tolist()) if isinstance(t, torch.Tensor) else tuple(t))
+        self.tracer.record(StepTrace(self.steps, tuple(d.req.rid for d in plan.reqs),
+                                     as_list(plan.local), as_list(plan.gated), as_list(reduced),
+                                     tuple(tuple(p) for p in popped), hang, error))
+
+    # -- for tests and debugging ----------------------------------------------------
+    def snapshot(self) -> tuple:
+        """Everything that defines this rank's state, comparable with ``==``."""
+        self._sync()
+        return (tuple(d.req.rid for d in self._reqs), tuple(self._slots.tolist()),
+                tuple(self._expected.tolist()), tuple(self._age.tolist()),
+                tuple(self._real.tolist()), tuple(sorted(self._rooms.items())),
+                tuple(sorted(self._holders.items())),
+                tuple(d.req.rid for d in self._quarantine), self.steps,
+                tuple(self.allocator.free_list()))
