@@ -69,7 +69,9 @@ class PrefillServer:
         self.specs = {s.room: s for s in specs}
         self.dropped = 0
         self.kv_bytes_written = 0
-        self.kv_log: list[tuple[str, list[Write]]] = []     # what the baseline replays
+        self.write_seconds, self.first_write, self.last_write = 0.0, float("inf"), 0.0
+        self.write_log: list[tuple[str, list[Write]]] = []  # what the baseline replays
+        self._replayed = 0
         total = sum(s.n_pages for s in specs) * page_bytes * ranks
         if total > MAX_SOURCE_BYTES:
             raise ValueError(f"workload needs {total >> 20} MiB of prefill KV, limit "
@@ -259,23 +261,35 @@ class PrefillServer:
                 self._send_status(job.rank, job.spec.room, fr.STATUS_FAILED)
             with self._lock:
                 job.running = False
-                fence = job.cancelled and job.stage != "done"
+                fence = job.cancelled     # an extra FENCED is harmless; a missing one is not
             if fence:
                 self._send_status(job.rank, job.spec.room, fr.STATUS_FENCED)
 
+    def _write(self, session: str, writes: list[Write], kv_bytes: int = 0) -> None:
+        t0 = time.perf_counter()
+        self.engine.write(session, writes)
+        t1 = time.perf_counter()
+        with self._lock:
+            self.write_seconds += t1 - t0
+            self.first_write = min(self.first_write, t0)
+            self.last_write = max(self.last_write, t1)
+            self.kv_bytes_written += kv_bytes
+            self.write_log.append((session, writes))
+
     def _advance(self, job: _Job) -> None:
-        session = self._ranks[job.rank].hello.session
+        """kv (+ payload fields, same batch) -> room alone -> Success. Faults split the
+        payload off the KV batch (so it can be late or missing)."""
+        session, f = self._ranks[job.rank].hello.session, self.faults
+        delay = f.metadata_delay_s.get(job.rank)
         if job.stage == "kv":
-            writes = self.kv_writes(job)
-            self.engine.write(session, writes)
-            with self._lock:
-                self.kv_bytes_written += sum(w.nbytes for w in writes)
-                self.kv_log.append((session, writes))
-            job.stage = "meta"
-            if self.faults.stall_s:
-                time.sleep(self.faults.stall_s)
-            delay = self.faults.metadata_delay_s.get(job.rank)
-            if job.rank in self.faults.drop_metadata:
+            kv = self.kv_writes(job)
+            split = bool(f.stall_s or delay or job.rank in f.drop_metadata)
+            meta = [] if split else self._meta_writes(job, room_field=False)
+            self._write(session, kv + meta, kv_bytes=sum(w.nbytes for w in kv))
+            job.stage = "meta" if split else "room"
+            if f.stall_s:
+                time.sleep(f.stall_s)
+            if job.rank in f.drop_metadata:
                 job.stage = "done"
                 self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
                 return
@@ -287,18 +301,22 @@ class PrefillServer:
                 return
         if job.cancelled:
             return
-        self.engine.write(session, self._meta_writes(job, room_field=False))
-        self.engine.write(session, self._meta_writes(job, room_field=True))   # room last
+        if job.stage == "meta":
+            self._write(session, self._meta_writes(job, room_field=False))
+        # The room goes alone, once the payload write returned (room_after_payload).
+        self._write(session, self._meta_writes(job, room_field=True))
         job.stage = "done"
-        if not self.faults.metadata_delay_s.get(job.rank):
+        if not delay:
             self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
 
     # -- the benchmark baseline and shutdown ----------------------------------------------
     def raw_baseline(self) -> tuple[int, float]:
-        """Replay every KV write issued so far with raw batch_transfer_sync_write, one
-        after another; returns (bytes, seconds). Only while the decode side is idle."""
+        """Replay every batch written since the last call (KV, payload rows, rooms) with raw
+        batch_transfer_sync_write, one after another, in the same order; returns
+        (bytes, seconds). Only while the decode side is idle: it rewrites their buffers."""
         with self._lock:
-            log_ = list(self.kv_log)
+            log_ = self.write_log[self._replayed:]
+            self._replayed = len(self.write_log)
         nbytes, t0 = 0, time.perf_counter()
         for session, writes in log_:
             if self.engine.raw_batch_write(session, writes) != 0:

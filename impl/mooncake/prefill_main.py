@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import select
 import sys
 import time
 
 from impl.mooncake.engine import Engine, MooncakeError
 from impl.mooncake.prefill import Faults, PrefillServer
+from impl.mooncake.stdio import StdinLines
 from impl.mooncake.synth import make_requests
 
 
@@ -70,23 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps({"endpoint": server.endpoint, "session": server.engine.session_id}), flush=True)
     deadline = time.monotonic() + args.lifetime_s
+    stdin = StdinLines()
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([sys.stdin], [], [], 0.5)
-            if not ready:
-                continue
-            cmd = sys.stdin.readline().strip()
-            if cmd in ("", "quit"):
-                break
-            if cmd == "stats":
-                out = {"kv_bytes": server.kv_bytes_written, "dropped": server.dropped,
-                       "idle": server.idle()}
-            elif cmd == "baseline" and args.allow_baseline:
-                nbytes, seconds = server.raw_baseline()
-                out = {"bytes": nbytes, "seconds": seconds}
-            else:
-                out = {"error": f"unknown command {cmd[:40]!r}"}
-            print(json.dumps(out), flush=True)
+        while time.monotonic() < deadline and not stdin.closed:
+            for cmd in stdin.poll(0.5):
+                if not cmd:
+                    continue
+                if cmd == "quit":
+                    return 0
+                if cmd == "stats":
+                    out = {"kv_bytes": server.kv_bytes_written, "dropped": server.dropped,
+                           "idle": server.idle(), "write_seconds": server.write_seconds,
+                           "write_span_seconds": max(0.0, server.last_write - server.first_write)}
+                elif cmd == "baseline" and args.allow_baseline:
+                    nbytes, seconds = server.raw_baseline()
+                    out = {"bytes": nbytes, "seconds": seconds}
+                else:
+                    out = {"error": f"unknown command {cmd[:40]!r}"}
+                print(json.dumps(out), flush=True)
     finally:
         server.close()
     return 0

@@ -54,6 +54,8 @@ class MooncakeKVReceiver:
         self._reason: str | None = None
         self._pending_fence = False
         self._fenced = False
+        self._landed = False
+        self._fence_taken = False
         self.success_at: float | None = None   # monotonic time the Success status arrived
 
     # -- called by the transport (any thread) --------------------------------------
@@ -104,6 +106,20 @@ class MooncakeKVReceiver:
     @property
     def fenced(self) -> bool:
         return self._fenced
+
+    def mark_landed(self) -> None:
+        """The rank's own thread saw the whole metadata row land: no write is pending."""
+        self._landed = True
+
+    def mark_fence_taken(self) -> None:
+        """The rank's own thread took the fence (after the request left the queue)."""
+        self._fence_taken = True
+
+    def writes_fenced(self) -> bool:
+        """impl.decode's optional hook: True once no write for this request can still
+        land in its slot (row landed, or prefill acknowledged the abort). Set only by the
+        rank's own thread, so the queue frees slots at the step boundary the trace records."""
+        return self._landed or self._fence_taken
 
     def failure_exception(self) -> Exception | None:
         if self._visible != FAILED:

@@ -44,11 +44,34 @@ def make_requests(n: int, seed: int, min_pages: int = 4, max_pages: int = 16) ->
     return out
 
 
+_BASE_BYTES = 8 << 20
+_base: np.ndarray | None = None
+
+
+def _base_block() -> np.ndarray:
+    """8 MiB of fixed random bytes that every page is cut from (generated once)."""
+    global _base
+    if _base is None:
+        _base = np.frombuffer(np.random.default_rng(0x5EED).bytes(_BASE_BYTES), dtype=np.uint8)
+    return _base
+
+
+def kv_page(spec: RequestSpec, rank: int, page: int, page_bytes: int) -> np.ndarray:
+    """Page ``page`` of the request's KV shard for one TP rank (a fresh array).
+
+    A slice of the random base block at an offset hashed from (room, rank, page),
+    stamped with those three numbers: distinct per page, cheap to regenerate."""
+    if not 24 <= page_bytes <= _BASE_BYTES:
+        raise ValueError(f"page_bytes must be in 24..{_BASE_BYTES}, got {page_bytes}")
+    off = _seed("kv", spec.room, rank, page) % (_BASE_BYTES - page_bytes + 1)
+    out = _base_block()[off:off + page_bytes].copy()
+    out[:24] = np.frombuffer(np.array([spec.room, rank, page], dtype=np.uint64).tobytes(), np.uint8)
+    return out
+
+
 def kv_bytes(spec: RequestSpec, rank: int, page_bytes: int) -> np.ndarray:
     """The request's KV shard for one TP rank: n_pages x page_bytes uint8."""
-    rng = np.random.default_rng(_seed("kv", spec.room, rank))
-    return rng.integers(0, 256, size=spec.n_pages * page_bytes, dtype=np.uint8).reshape(
-        spec.n_pages, page_bytes)
+    return np.stack([kv_page(spec, rank, j, page_bytes) for j in range(spec.n_pages)])
 
 
 def metadata_row(spec: RequestSpec, field: str, item_bytes: int) -> bytes:
@@ -56,7 +79,7 @@ def metadata_row(spec: RequestSpec, field: str, item_bytes: int) -> bytes:
     if field == ROOM_FIELD:
         return spec.room.to_bytes(8, "little") + bytes(item_bytes - 8)
     rng = np.random.default_rng(_seed("meta", spec.room, field))
-    row = bytearray(rng.integers(0, 256, size=item_bytes, dtype=np.uint8).tobytes())
+    row = bytearray(rng.bytes(item_bytes))
     if field == TOKEN_FIELD:
         row[0:4] = spec.first_token.to_bytes(4, "little", signed=True)
     return bytes(row)
