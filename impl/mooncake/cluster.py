@@ -142,11 +142,16 @@ class Cluster:
         for c in self.decode:
             c.send({"cmd": "serve", "endpoint": endpoint, "offset": offset, "count": count})
 
-    def wait_idle(self, timeout: float) -> None:
+    def wait_idle(self, timeout: float) -> list[list[dict[str, Any]]]:
+        """Wait until every rank emptied its queue; returns each rank's outcomes since
+        the previous idle report ({req, decision, step, local, kv_ok, row_ok, token_ok})."""
+        out = []
         for c in self.decode:
             msg = c.read(timeout, "idle report")
             if not msg.get("idle"):
                 raise ClusterError(f"{c.name}: expected an idle report, got {msg}")
+            out.append(msg["outcomes"])
+        return out
 
     def finish(self) -> list[dict[str, Any]]:
         """Stop every rank at the same step and load their result files."""

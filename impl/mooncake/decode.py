@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.utils.monitor
 
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Region
@@ -48,6 +49,14 @@ class PrefillLink:
     alive: bool = True
     last_pong: float = field(default_factory=time.monotonic)
     dead_at: float | None = None
+
+
+@dataclass
+class _Watch:
+    link: PrefillLink
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    connected: bool = False
 
 
 @dataclass
@@ -90,9 +99,10 @@ class DecodeTransport:
                         self.kv.item_bytes, self.kv.items, layout, self.room_field)
 
     def connect(self, endpoint: str) -> PrefillLink:
-        """Handshake with the prefill at ``endpoint`` (once; cached)."""
+        """Handshake with the prefill at ``endpoint`` (once; cached while it is alive,
+        so a prefill restarted on the same endpoint gets a fresh handshake)."""
         link = self._links.get(endpoint)
-        if link is not None:
+        if link is not None and link.alive:
             return link
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -190,21 +200,30 @@ class DecodeTransport:
         else:
             entry.receiver.deliver(FAILED, "prefill reported Failed")
 
-    def _heartbeat(self, hb: dict[str, zmq.Socket], poller: zmq.Poller, seq: int) -> None:
+    def _watch(self, link: PrefillLink, poller: zmq.Poller) -> _Watch:
+        """The I/O thread's own sockets for one link: a DEALER for PING/PONG and a
+        monitor that reports the TCP connection dropping (a killed prefill; a frozen
+        one keeps its connections and is caught by missed heartbeats instead)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(link.endpoint)
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return _Watch(link, sock, monitor)
+
+    def _heartbeat(self, watches: dict[int, _Watch], poller: zmq.Poller, seq: int) -> None:
         now = time.monotonic()
         with self._lock:
             links = list(self._links.values())
         for link in links:
-            if link.endpoint not in hb:
-                s = self._ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(link.endpoint)
-                hb[link.endpoint] = s
-                poller.register(s, zmq.POLLIN)
+            w = watches.get(id(link))
+            if w is None:
+                w = watches[id(link)] = self._watch(link, poller)
             if link.alive:
-                hb[link.endpoint].send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                w.sock.send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
                 if now - link.last_pong > self.heartbeat_s * self.heartbeat_misses:
-                    self._mark_dead(link, now)
+                    self._mark_dead(link, now, f"missed {self.heartbeat_misses} heartbeats")
             elif link.dead_at is not None and now - link.dead_at >= self.fence_grace_s:
                 link.dead_at = None
                 for e in self._link_entries(link):
@@ -214,24 +233,25 @@ class DecodeTransport:
         with self._lock:
             return [e for e in self._entries.values() if e.link is link]
 
-    def _mark_dead(self, link: PrefillLink, now: float) -> None:
+    def _mark_dead(self, link: PrefillLink, now: float, why: str) -> None:
+        if not link.alive:
+            return
         link.alive, link.dead_at = False, now
-        log.warning("rank %d: prefill %s missed %d heartbeats: failing its requests",
-                    self.rank, link.endpoint, self.heartbeat_misses)
+        log.warning("rank %d: prefill %s %s: failing its requests", self.rank, link.endpoint, why)
         for e in self._link_entries(link):
-            e.receiver.deliver(FAILED, f"prefill {link.endpoint} stopped answering heartbeats")
+            e.receiver.deliver(FAILED, f"prefill {link.endpoint} {why}")
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._status, zmq.POLLIN)
-        hb: dict[str, zmq.Socket] = {}
+        watches: dict[int, _Watch] = {}
         seq, next_beat = 0, 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
-                    self._heartbeat(hb, poller, seq)
+                    self._heartbeat(watches, poller, seq)
                     next_beat = now + self.heartbeat_s
                 for sock, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
                     try:
@@ -240,17 +260,31 @@ class DecodeTransport:
                         continue
                     if sock is self._status:
                         self._on_status(parts)
+                        continue
+                    w = next((w for w in watches.values() if sock in (w.sock, w.monitor)), None)
+                    if w is None:
+                        continue
+                    if sock is w.monitor:
+                        self._on_monitor(w, parts)
                     else:
-                        self._on_pong(sock, parts, hb)
+                        self._on_pong(w, parts)
         except zmq.ContextTerminated:
             pass
         finally:
-            for s in hb.values():
-                s.close()
+            for w in watches.values():
+                w.sock.disable_monitor()
+                w.monitor.close()
+                w.sock.close()
 
-    def _on_pong(self, sock: zmq.Socket, parts: list[bytes], hb: dict[str, zmq.Socket]) -> None:
-        endpoint = next((e for e, s in hb.items() if s is sock), None)
-        if len(parts) != 2 or parts[0] != fr.PONG or endpoint is None:
+    def _on_monitor(self, w: _Watch, parts: list[bytes]) -> None:
+        event = zmq.utils.monitor.parse_monitor_message(parts)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            w.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and w.connected:
+            self._mark_dead(w.link, time.monotonic(), "closed its connection")
+
+    def _on_pong(self, w: _Watch, parts: list[bytes]) -> None:
+        if len(parts) != 2 or parts[0] != fr.PONG:
             self._drop(f"unexpected heartbeat reply {parts[:1]!r}")
             return
         try:
@@ -258,10 +292,8 @@ class DecodeTransport:
         except fr.FrameError as exc:
             self._drop(str(exc))
             return
-        with self._lock:
-            link = self._links.get(endpoint)
-        if link is not None and link.alive:
-            link.last_pong = time.monotonic()
+        if w.link.alive:
+            w.link.last_pong = time.monotonic()
 
     def close(self) -> None:
         self._stop.set()

@@ -142,12 +142,14 @@ class DecodeRank:
             self.settle(res)
         if self.outstanding == 0 and not self.backlog and len(self.queue) == 0 and self._busy:
             self._busy = False
-            emit({"idle": True, "step": self.queue.steps})
+            emit({"idle": True, "step": self.queue.steps, "outcomes": self.phase})
+            self.phase = []
         elif self.outstanding:
             self._busy = True
         return True
 
     _busy = False
+    phase: list[dict[str, Any]] = []      # outcomes since the last idle report
 
     def settle(self, res: Committed | Aborted) -> None:
         idx = int(res.decode_req.req.rid)
@@ -155,12 +157,14 @@ class DecodeRank:
         self.outstanding -= 1
         rec = {"rank": self.rank, "req": idx, "room": t.spec.room, "step": self.queue.steps - 1,
                "decision": res.decision.name.lower(), "t_pop": time.monotonic(),
-               "t_last_byte": t.t_last_byte}
+               "t_last_byte": t.t_last_byte, "local": t.receiver.poll()}
         if isinstance(res, Committed):
             rec.update(self.check(t, res))
         elif not t.done:
             self.transport.abort(t.spec.room)        # ask for a fence before reuse
         self.results.append(rec)
+        self.phase = [*self.phase, {k: rec.get(k) for k in
+                                    ("req", "decision", "step", "local", "kv_ok", "row_ok", "token_ok")}]
 
     def check(self, t: Tracked, res: Committed) -> dict[str, Any]:
         """Byte-for-byte: every KV page and every field of the metadata row."""

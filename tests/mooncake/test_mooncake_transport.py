@@ -172,7 +172,7 @@ def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
     from impl.mooncake.prefill import Faults, PrefillServer
     specs = make_requests(2, seed=9, min_pages=2, max_pages=2)
     server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=1.0))
-    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4, fence_grace_s=0.2)
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4, fence_grace_s=0.2, timeout_s=0.5)
     try:
         rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
         server._stop.set()                     # the router stops answering heartbeats
