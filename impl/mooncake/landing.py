@@ -10,8 +10,7 @@ A deployment without tracing can register the queue's buffers directly instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from impl.decode import MetadataBuffers
 from impl.mooncake.receiver import MooncakeKVReceiver
@@ -28,8 +27,8 @@ class Tracked:
     left: bool = False                # popped from the transfer queue on this rank
     landed: bool = False              # the whole row was seen (room after payload)
     fenced: bool = False              # a fence was recorded
+    t_enq: float = 0.0                # when this rank admitted it
     t_land: float | None = None       # when this rank saw the row
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:

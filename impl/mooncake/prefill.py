@@ -63,7 +63,7 @@ def merge_runs(writes: list[Write]) -> list[Write]:
 class PrefillServer:
     def __init__(self, engine: Engine, specs: list[RequestSpec], ranks: int, page_bytes: int,
                  host: str = "127.0.0.1", port: int = 0, prefill_rank: int = 0,
-                 workers: int = 2, faults: Faults | None = None):
+                 workers: int = 1, faults: Faults | None = None):
         self.engine, self.ranks, self.page_bytes = engine, ranks, page_bytes
         self.prefill_rank, self.faults = prefill_rank, faults or Faults()
         self.specs = {s.room: s for s in specs}

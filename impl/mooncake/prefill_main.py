@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--request-offset", type=int, default=0,
                    help="serve requests seeded from this index on (a second prefill)")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1,
+                   help="writer threads (on 2 cores, one beats two: concurrent Mooncake "
+                        "writes slow each other down)")
     p.add_argument("--metadata-delay", type=rank_ms, action="append", default=[],
                    metavar="RANK:MS", help="send Success to RANK first, its metadata row MS later")
     p.add_argument("--drop-metadata", type=int, action="append", default=[], metavar="RANK",

@@ -87,6 +87,7 @@ class DecodeRank:
         self.results: list[dict[str, Any]] = []
         self.step_starts: list[float] = []
         self.stdin = StdinLines()
+        kv_page(RequestSpec(0, 1, 1, 0), 0, 0, a.page_bytes)   # build the shared random block now
 
     # -- commands -----------------------------------------------------------------------
     def read_commands(self) -> None:
@@ -119,7 +120,7 @@ class DecodeRank:
         pages = tuple(self.free_pages.popleft() for _ in range(spec.n_pages))
         receiver = self.transport.start(spec.room, slot, pages, endpoint)
         self.queue.add(DecodeRequest(Req(str(spec.index), spec.room, endpoint), receiver, slot))
-        self.landing.track(Tracked(spec, receiver, slot, pages))
+        self.landing.track(Tracked(spec, receiver, slot, pages, t_enq=time.monotonic()))
         self.specs[spec.index] = spec
         self.log.write({"k": "enq", "req": spec.index, "room": spec.room, "payload": spec.first_token})
 
@@ -157,14 +158,15 @@ class DecodeRank:
         self.outstanding -= 1
         rec = {"rank": self.rank, "req": idx, "room": t.spec.room, "step": self.queue.steps - 1,
                "decision": res.decision.name.lower(), "t_pop": time.monotonic(),
-               "t_last_byte": t.t_last_byte, "local": t.receiver.poll()}
+               "t_last_byte": t.t_last_byte, "local": t.receiver.poll(), "t_enq": t.t_enq}
         if isinstance(res, Committed):
             rec.update(self.check(t, res))
         elif not t.done:
             self.transport.abort(t.spec.room)        # ask for a fence before reuse
         self.results.append(rec)
         self.phase = [*self.phase, {k: rec.get(k) for k in
-                                    ("req", "decision", "step", "local", "kv_ok", "row_ok", "token_ok")}]
+                                    ("req", "decision", "step", "local", "kv_ok", "row_ok", "token_ok",
+                                     "t_enq", "t_pop")}]
 
     def check(self, t: Tracked, res: Committed) -> dict[str, Any]:
         """Byte-for-byte: every KV page and every field of the metadata row."""
