@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lifetime-s", type=float, default=300.0)
     a = p.parse_args(argv)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("impl.mooncake.rank: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
     rank = DecodeRank(a)
     try:
         rank.run()
