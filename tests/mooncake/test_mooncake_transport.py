@@ -184,3 +184,23 @@ def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
     finally:
         rank.transport.close()
         server.close(close_engine=False)
+
+
+def test_closed_prefill_connection_fails_requests_at_once(engines):
+    pe, de = engines
+    from impl.mooncake.prefill import Faults, PrefillServer
+    specs = make_requests(1, seed=10, min_pages=2, max_pages=2)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=0.5))
+    # heartbeats alone would take 100 s here: only the closed connection can fail it
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=2000, fence_grace_s=60)
+    try:
+        rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
+        time.sleep(0.2)                        # the heartbeat socket is connected by now
+        server._stop.set()                     # mid-stall: the router thread stops...
+        time.sleep(0.15)
+        server._router.close()                 # ...and its socket closes, as when killed
+        assert settle(rec, timeout=5) == FAILED
+        assert "closed its connection" in str(rec.failure_exception())
+    finally:
+        rank.transport.close()
+        server.close(close_engine=False)
