@@ -8,8 +8,10 @@ operations the kernel applies to rooms, are the same on both.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from impl.decode.errors import BadPollValue, RoomOutOfRange, SlotOutOfRange
@@ -45,12 +47,38 @@ def _ite(c: Any, a: Any, b: Any) -> Any:
     return torch.where(c, a, b)
 
 
+def _np_ite(c: Any, a: Any, b: Any) -> Any:
+    if _is_py_bool(c):
+        return a if c else b
+    return np.where(c, a, b)
+
+
 def _not(x: Any) -> Any:
     return (not x) if _is_py_bool(x) else ~x
 
 
 TORCH = Ops(ite=_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
             false=False)
+# The same algebra on numpy arrays: for cpu tensors (zero-copy views), numpy's per-op
+# overhead is a few times lower than torch's at these sizes (bench/bench_gate.py).
+NUMPY = Ops(ite=_np_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
+            false=False)
+
+
+def _backend(t: torch.Tensor, backend: str | None) -> str:
+    if backend is None:
+        return "numpy" if t.device.type == "cpu" else "torch"
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"backend must be numpy or torch, got {backend!r}")
+    return backend
+
+
+def _run(kernel: Callable[..., Any], backend: str, args: tuple) -> Any:
+    """Evaluate a spec kernel on tensors, through numpy views on cpu."""
+    if backend == "torch":
+        return kernel(*args, TORCH)
+    out = kernel(*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args), NUMPY)
+    return torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out
 
 
 def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
@@ -64,11 +92,12 @@ def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) ->
 
 def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,
                 expected: torch.Tensor, age: torch.Tensor | int = 0,
-                real: torch.Tensor | None = None) -> torch.Tensor:
+                real: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Per-request value each rank puts into the MIN (``kernel.gated_poll`` on tensors).
 
-    ``real`` masks out fake transfers, which keep their local poll (no gate)."""
-    gated = gated_poll(v, local, room_seen, expected, age, TORCH)
+    ``real`` masks out fake transfers, which keep their local poll (no gate).
+    ``backend``: "numpy" (default on cpu) or "torch" (default elsewhere)."""
+    gated = _run(gated_poll, _backend(local, backend), (v, local, room_seen, expected, age))
     if not isinstance(gated, torch.Tensor):
         gated = local
     gated = gated.to(torch.uint8) if gated.dtype != torch.uint8 else gated
@@ -76,37 +105,60 @@ def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,
 
 
 def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
-                  expected: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+                  expected: torch.Tensor, real: torch.Tensor | None = None,
+                  backend: str | None = None) -> torch.Tensor:
     """Per-request ``Decision`` after the MIN (``kernel.pop_decision`` on tensors).
 
     A fake transfer decides as if its room matched: commit on Success, abort on Failed."""
     if real is not None:
         room_seen = torch.where(real, room_seen, 1)
         expected = torch.where(real, expected, 1)
-    out = pop_decision(v, reduced, room_seen, expected, TORCH)
+    out = _run(pop_decision, _backend(reduced, backend), (v, reduced, room_seen, expected))
     return out if isinstance(out, torch.Tensor) else torch.full_like(reduced, int(out),
                                                                      dtype=torch.int64)
 
 
 def check_polls(polls: Sequence[Any], rids: Sequence[str] | None = None) -> None:
     """Refuse anything that is not a KVPoll int, at C speed for the common case."""
-    types_ok = all(t is int or (issubclass(t, int) and t is not bool) for t in set(map(type, polls)))
-    if types_ok and POLL_SET.issuperset(polls):
+    if _all_ints(polls) and POLL_SET.issuperset(polls):
         return
     for i, p in enumerate(polls):
         if isinstance(p, bool) or not isinstance(p, int) or int(p) not in POLL_SET:
             raise BadPollValue(rids[i] if rids is not None else None, p)
 
 
+_SLOT = attrgetter("metadata_buffer_index")
+_ROOM = attrgetter("req.bootstrap_room")
+_HOST = attrgetter("req.bootstrap_host")
+
+
+def polls_tensor(polls: Sequence[int]) -> torch.Tensor:
+    """Checked polls as uint8 (bytearray converts a list of small ints at C speed)."""
+    return torch.frombuffer(bytearray(polls), dtype=torch.uint8) if len(polls) else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _all_ints(values: Sequence[Any]) -> bool:
+    """Every value an int (not a bool), checked per distinct type at C speed."""
+    return all(t is int or (issubclass(t, int) and t is not bool) for t in set(map(type, values)))
+
+
 def rooms_tensor(rooms: Sequence[int], device: torch.device | str = "cpu",
-                 rids: Sequence[str] | None = None) -> torch.Tensor:
+                 rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
     """Expected rooms (0..2^64-1) as an int64 tensor with the same bits."""
     try:
-        return torch.tensor(list(rooms), dtype=torch.uint64, device=device).view(torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
+        if not _all_ints(rooms):
+            raise TypeError("not an int")
+        arr = np.fromiter(rooms, np.uint64, count=len(rooms))
+        return torch.from_numpy(arr).view(torch.int64).to(device)
+    except (TypeError, ValueError, OverflowError):
         for i, r in enumerate(rooms):
-            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 2**64:
-                raise RoomOutOfRange(rids[i] if rids is not None else str(i), r) from None
+            if not _is_int(r) or not 0 <= r < 2**64:
+                raise RoomOutOfRange(rid_of(i) if rid_of is not None else str(i), r) from None
         raise
 
 
@@ -138,15 +190,21 @@ def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_b
     check_polls(polls)
     if n == 0:
         return polls
-    reqs = [d.req for d in decode_reqs]
     room_col = room_column_of(metadata_buffers)
     dev = room_col.device
-    slots = torch.tensor([d.metadata_buffer_index for d in decode_reqs], dtype=torch.int64,
-                         device=dev)
-    expected = rooms_tensor([r.bootstrap_room for r in reqs], dev, [r.rid for r in reqs])
-    real = torch.tensor([r.bootstrap_host != FAKE_BOOTSTRAP_HOST for r in reqs], device=dev)
+    # C-level attribute reads (map + attrgetter + fromiter): no per-request bytecode
+    slot_list = list(map(_SLOT, decode_reqs))
+    if not _all_ints(slot_list):
+        bad = next(x for x in slot_list if not _is_int(x))
+        raise SlotOutOfRange(bad, int(room_col.shape[0]))
+    slots = torch.from_numpy(np.fromiter(slot_list, np.int64, count=n)).to(dev)
+    expected = rooms_tensor(list(map(_ROOM, decode_reqs)), dev,
+                            lambda i: decode_reqs[i].req.rid)
+    hosts = list(map(_HOST, decode_reqs))
+    real = (torch.tensor([h != FAKE_BOOTSTRAP_HOST for h in hosts], device=dev)
+            if FAKE_BOOTSTRAP_HOST in set(hosts) else None)
     age = torch.tensor(list(ages), dtype=torch.int64, device=dev) if ages is not None else 0
-    local = torch.tensor(polls, dtype=torch.uint8, device=dev)
+    local = polls_tensor(polls).to(dev)
     seen = gather_rooms(room_col, slots)
     polls[:] = gate_tensor(v, local, seen, expected, age, real).tolist()
     return polls

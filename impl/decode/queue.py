@@ -18,7 +18,7 @@ from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, Dupl
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
-                              resolve_variant)
+                              polls_tensor, resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -118,6 +118,7 @@ class DecodeTransferQueue:
         self._rooms: dict[int, str] = {}                 # queued real room -> rid
         self._holders: dict[int, str] = {}               # slot -> rid (queued or quarantined)
         self._rids: set[str] = set()                     # queued request ids
+        self._fakes = 0                                  # queued fake transfers
         self._quarantine: list[DecodeRequest] = []
         self.steps = 0
 
@@ -144,7 +145,9 @@ class DecodeTransferQueue:
         if not self.allocator.is_allocated(idx):
             raise SlotNotAllocated(idx)
         room = req.bootstrap_room
-        if not decode_req.is_fake:
+        if decode_req.is_fake:
+            self._fakes += 1
+        else:
             if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**64:
                 raise RoomOutOfRange(req.rid, room)
             if room == 0:
@@ -212,9 +215,10 @@ class DecodeTransferQueue:
         except DecodeInputError as exc:
             empty = torch.empty(0, dtype=torch.uint8)
             return StepPlan(reqs, empty, _EMPTY_I64, empty, fp, exc)
-        local = torch.tensor(polls, dtype=torch.uint8, device=self.buffers.device)
+        local = polls_tensor(polls).to(self.buffers.device)
         seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
-        gated = gate_tensor(self.variant, local, seen, self._expected, self._age, self._real)
+        real = self._real if self._fakes else None       # skip the mask when all are real
+        gated = gate_tensor(self.variant, local, seen, self._expected, self._age, real)
         return StepPlan(reqs, local, seen, gated, fp)
 
     def finish_step(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
@@ -281,7 +285,9 @@ class DecodeTransferQueue:
 
     def _release(self, d: DecodeRequest) -> None:
         self._rids.discard(d.req.rid)
-        if not d.is_fake:
+        if d.is_fake:
+            self._fakes -= 1
+        else:
             self._rooms.pop(d.req.bootstrap_room, None)
         d.kv_receiver.clear()
         if self.variant.fence_before_reuse and not _writes_fenced(d.kv_receiver):

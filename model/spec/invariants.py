@@ -23,7 +23,8 @@ def queues_identical(s: SystemState) -> list[Violation]:
     bad = [k for k, rs in enumerate(s.ranks) if rs.queue != first]
     if not bad:
         return []
-    differing = sorted(set(first).symmetric_difference(*(s.ranks[k].queue for k in bad)))
+    differing = sorted(set().union(*(set(first).symmetric_difference(s.ranks[k].queue)
+                                     for k in bad)))
     return [Violation("queues_identical",
                       "; ".join(f"rank {k} queue {s.ranks[k].queue}" for k in [0, *bad]),
                       (0, *bad), tuple(differing))]

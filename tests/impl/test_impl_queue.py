@@ -1,0 +1,144 @@
+"""DecodeTransferQueue on T in-process ranks (LockstepGroup): bad input leaves every rank
+exactly as it was, disagreement raises on every rank at once, strict's rules hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from impl.decode import (Aborted, BadPollValue, CollectiveLengthMismatch, Committed,
+                         DecodeRequest, DecodeTransferQueue, Decision, DuplicateRequest,
+                         DuplicateRoom, FAKE_BOOTSTRAP_HOST, MetadataBuffers, PeerAbortedStep,
+                         QueueContentMismatch, Req, SlotAllocator, SlotInUse, SlotOutOfRange,
+                         ZeroRoom)
+from impl.decode.lockstep import LockstepGroup, run_ranks
+from impl.scripted import ScriptedReceiver
+from model.spec import KVPoll
+
+SUCCESS, FAILED = int(KVPoll.Success), int(KVPoll.Failed)
+
+
+def make(ranks=2, slots=4, variant="strict", timeout_steps=None):
+    g = LockstepGroup(ranks, timeout_s=5)
+    return [DecodeTransferQueue(None, MetadataBuffers(slots), SlotAllocator(slots), variant,
+                                timeout_steps=timeout_steps, exchange=g.exchange(k))
+            for k in range(ranks)]
+
+
+def snap(q):
+    return q.snapshot(), q.buffers.bootstrap_room.clone(), q.buffers.output_ids.clone()
+
+
+def same(a, b):
+    return a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def enqueue_all(qs, rid, room):
+    return [q.enqueue(Req(rid, room), ScriptedReceiver()) for q in qs]
+
+
+def land(q, d, token):
+    q.buffers.write_first_token(d.metadata_buffer_index, token)
+    q.buffers.write_room(d.metadata_buffer_index, d.req.bootstrap_room)
+    d.kv_receiver.landed |= {"room", "payload"}
+
+
+def step(qs):
+    return run_ranks([q.pop_transferred for q in qs])
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda q: q.enqueue(Req("z", 0), ScriptedReceiver()), ZeroRoom),
+    (lambda q: q.enqueue(Req("dup", 11), ScriptedReceiver()), DuplicateRoom),
+    (lambda q: q.enqueue(Req("a", 12), ScriptedReceiver()), DuplicateRequest),
+    (lambda q: q.add(DecodeRequest(Req("x", 13), ScriptedReceiver(), 9)), SlotOutOfRange),
+    (lambda q: q.add(DecodeRequest(Req("x", 13), ScriptedReceiver(), 0)), SlotInUse),
+])
+def test_bad_adds_raise_typed_errors_and_change_nothing(bad, error):
+    [q] = make(1)
+    q.enqueue(Req("a", 11), ScriptedReceiver())
+    before = snap(q)
+    with pytest.raises(error):
+        bad(q)
+    assert same(before, snap(q))
+
+
+def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged():
+    qs = make(2)
+    ds = enqueue_all(qs, "a", 11)
+    step(qs)
+    ds[1].kv_receiver.state = 7
+    before = [snap(q) for q in qs]
+    out = step(qs)
+    assert isinstance(out[1], BadPollValue) and "polled 7" in str(out[1])
+    assert isinstance(out[0], PeerAbortedStep) and "[1]" in str(out[0])
+    assert all(same(b, snap(q)) for b, q in zip(before, qs))
+
+
+def test_commit_reads_the_row_and_frees_the_zeroed_slot():
+    qs = make(2, variant="gate")
+    ds = enqueue_all(qs, "a", 2**64 - 3)
+    for q, d in zip(qs, ds):
+        d.kv_receiver.state = SUCCESS
+    land(qs[0], ds[0], 42)
+    assert step(qs) == [[], []]              # rank 1's row has not landed: gate holds
+    land(qs[1], ds[1], 42)
+    for q in qs:
+        q.buffers.cached_tokens[0, 0] = 3
+    out = step(qs)
+    for q, [r] in zip(qs, out):
+        assert isinstance(r, Committed) and r.first_token == 42 and r.slot == 0
+        assert int(r.fields["cached_tokens"][0]) == 3
+        assert q.buffers.read_room(0) == 0 and q.allocator.free_list()[-1] == 0
+
+
+def test_fake_transfers_bypass_the_gate():
+    qs = make(2)
+    ds = [q.enqueue(Req("f", 0, FAKE_BOOTSTRAP_HOST), ScriptedReceiver(SUCCESS)) for q in qs]
+    out = step(qs)
+    assert all(isinstance(r[0], Committed) for r in out)
+
+
+def test_strict_timeout_aborts_on_every_rank_in_the_same_step():
+    qs = make(3, timeout_steps=2)
+    ds = enqueue_all(qs, "a", 5)
+    for d in ds:
+        d.kv_receiver.state = SUCCESS       # KV done, the metadata never lands
+    assert step(qs) == [[], [], []]
+    assert step(qs) == [[], [], []]
+    out = step(qs)
+    assert [r[0].decision for r in out] == [Decision.ABORT_FAILED] * 3
+
+
+def test_strict_holds_a_stale_room_and_fences_slot_reuse():
+    qs = make(2, slots=1)
+    ds = enqueue_all(qs, "a", 5)
+    for d in ds:
+        d.kv_receiver.state = FAILED
+    assert all(isinstance(r[0], Aborted) for r in step(qs))
+    assert [q.allocator.available_size() for q in qs] == [0, 0]      # quarantined
+    ds[0].kv_receiver.fenced = ds[1].kv_receiver.fenced = True
+    assert [q.release_fenced() for q in qs] == [[0], [0]]
+    ds = enqueue_all(qs, "b", 6)
+    qs[0].buffers.write_room(0, 5)            # a late, foreign room: strict must hold
+    for d in ds:
+        d.kv_receiver.state = SUCCESS
+    assert step(qs) == [[], []]
+
+
+def test_length_mismatch_raises_on_every_rank_naming_ranks_and_lengths():
+    qs = make(2)
+    qs[0].enqueue(Req("a", 5), ScriptedReceiver())
+    before = [snap(q) for q in qs]
+    out = step(qs)
+    for e in out:
+        assert isinstance(e, CollectiveLengthMismatch) and e.lengths == (1, 0)
+        assert "rank 0: 1, rank 1: 0" in str(e)
+    assert all(same(b, snap(q)) for b, q in zip(before, qs))
+
+
+def test_same_length_other_requests_raise_content_mismatch():
+    qs = make(2)
+    qs[0].enqueue(Req("a", 5), ScriptedReceiver())
+    qs[1].enqueue(Req("b", 6), ScriptedReceiver())
+    out = step(qs)
+    assert all(isinstance(e, QueueContentMismatch) for e in out)
