@@ -46,6 +46,7 @@ class PrefillLink:
     prefill_rank: int
     session: str
     sock: zmq.Socket                      # main thread only: HELLO, XFER, ABORT
+    monitor: zmq.Socket                   # I/O thread only: sock's connection events
     alive: bool = True
     last_pong: float = field(default_factory=time.monotonic)
     dead_at: float | None = None
@@ -106,9 +107,13 @@ class DecodeTransport:
             return link
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Created here, used only by the I/O thread from now on: it sees the connection
+        # drop even if the prefill dies before the first heartbeat.
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         sock.send_multipart(self.hello().encode())
         if not sock.poll(int(self.timeout_s * 1000)):
+            monitor.close()
             sock.close()
             raise BootstrapError(f"rank {self.rank}: no HELLO reply from prefill {endpoint} "
                                  f"within {self.timeout_s} s")
@@ -118,9 +123,10 @@ class DecodeTransport:
                 raise fr.FrameError(f"prefill refused: {reply[-1][:200]!r}")
             prefill_rank, session = fr.decode_hello_ok(reply[1])
         except fr.FrameError as exc:
+            monitor.close()
             sock.close()
             raise BootstrapError(f"rank {self.rank}: handshake with {endpoint}: {exc}") from None
-        link = PrefillLink(endpoint, prefill_rank, session, sock)
+        link = PrefillLink(endpoint, prefill_rank, session, sock, monitor)
         with self._lock:
             self._links[endpoint] = link
         return link
@@ -201,16 +207,15 @@ class DecodeTransport:
             entry.receiver.deliver(FAILED, "prefill reported Failed")
 
     def _watch(self, link: PrefillLink, poller: zmq.Poller) -> _Watch:
-        """The I/O thread's own sockets for one link: a DEALER for PING/PONG and a
-        monitor that reports the TCP connection dropping (a killed prefill; a frozen
-        one keeps its connections and is caught by missed heartbeats instead)."""
+        """The I/O thread's side of one link: its own DEALER for PING/PONG, and the
+        monitor of the link's DEALER, which reports the TCP connection dropping (a
+        killed prefill; a frozen one keeps its connections and misses heartbeats)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(link.endpoint)
         poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        return _Watch(link, sock, monitor)
+        poller.register(link.monitor, zmq.POLLIN)
+        return _Watch(link, sock, link.monitor)
 
     def _heartbeat(self, watches: dict[int, _Watch], poller: zmq.Poller, seq: int) -> None:
         now = time.monotonic()
@@ -272,7 +277,6 @@ class DecodeTransport:
             pass
         finally:
             for w in watches.values():
-                w.sock.disable_monitor()
                 w.monitor.close()
                 w.sock.close()
 
@@ -301,5 +305,6 @@ class DecodeTransport:
         self._status.close()
         for link in self._links.values():
             link.sock.close()
+            link.monitor.close()
         for region in self._regions:
             self.engine.unregister(region)
