@@ -121,13 +121,13 @@ def figures(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
         total_bytes += sum(r["kv_bytes"] for r in recs)
         landed = [r for r in recs if r["t_last_byte"] is not None]
         if len(landed) == ranks:
-            last = max(landed, key=lambda r: r["t_last_byte"])
-            lat_ms.append((max(r["t_pop"] for r in recs) - last["t_last_byte"]) * 1000)
-            # The first step the rank that got the last byte started after it landed:
-            # committing in that step is a latency of one step.
-            first = next((k for k, t in enumerate(starts[last["rank"]]) if t > last["t_last_byte"]),
-                         last["step"])
-            lat_steps.append(last["step"] - first + 1)
+            last = max(r["t_last_byte"] for r in recs)
+            lat_ms.append((max(r["t_pop"] for r in recs) - last) * 1000)
+            # The first step in which every rank had its own last byte before the step
+            # started; committing in that step is a latency of one step.
+            first = max(next((k for k, t in enumerate(starts[r["rank"]]) if t > r["t_last_byte"]),
+                             r["step"]) for r in recs)
+            lat_steps.append(recs[0]["step"] - first + 1)
     t_start = min((rec["t"] for log in logs for rec in log if rec["k"] == "enq"), default=t_end)
     seconds = max(t_end - t_start, 1e-9)
     return {
