@@ -36,6 +36,7 @@ class E2EConfig:
     baseline: bool = False
     trace: str | None = None
     timeout_s: float = 120.0
+    host: str = "127.0.0.1"
 
 
 def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | None:
@@ -55,7 +56,8 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         rank_args = [*cfg.rank_args, "--variant", cfg.variant, "--slots", str(cfg.slots)]
         if cfg.timeout_steps is not None:
             rank_args += ["--timeout-steps", str(cfg.timeout_steps)]
-        cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, timeout_s=cfg.timeout_s)
+        cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
+                          timeout_s=cfg.timeout_s)
         try:
             extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
             prefill, endpoint = cluster.start_prefill(0, cfg.requests,
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                  "--collective-timeout-s", str(args.collective_timeout_s)]
     cfg = E2EConfig(args.ranks, args.requests, args.variant, args.metadata_delay, workload,
                     rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps),
-                    args.slots, args.baseline, args.trace, args.timeout_s)
+                    args.slots, args.baseline, args.trace, args.timeout_s, args.host)
     from impl.mooncake.cluster import ClusterError
     from impl.mooncake.report import ReportError
     try:

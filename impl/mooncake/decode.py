@@ -147,6 +147,7 @@ class DecodeTransport:
             if room in self._entries:
                 raise ValueError(f"room {room} already has a receiver on rank {self.rank}")
         receiver = MooncakeKVReceiver(room, self.rank, slot, tuple(pages))
+        receiver.enter_queue()
         try:
             link = self.connect(endpoint)
         except BootstrapError as exc:
@@ -159,7 +160,6 @@ class DecodeTransport:
             receiver.deliver(FAILED, f"prefill {endpoint} is unreachable")
             return receiver
         link.sock.send_multipart(fr.Xfer(room, self.rank, slot, tuple(pages)).encode())
-        receiver.sent()
         return receiver
 
     def abort(self, room: int) -> None:

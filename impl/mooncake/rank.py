@@ -10,11 +10,12 @@ stdin, one JSON object per line: ``{"cmd": "serve", "endpoint", "offset", "count
 ``{"cmd": "quit"}``. stdout, one JSON object per line: ``ready``, then ``idle`` once
 every served request has left the queue, then ``result`` (path of the result file).
 Its log (one JSON line per step, enqueue and environment event) is merged into the
-e2e trace by ``impl.e2e_report``.
+e2e trace by ``impl.mooncake.report``.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -73,7 +74,7 @@ class DecodeRank:
             fence_grace_s=a.fence_grace_s, timeout_s=a.collective_timeout_s)
         dist.init_process_group("gloo", init_method=f"tcp://{a.host}:{a.master_port}",
                                 rank=self.rank, world_size=a.world,
-                                timeout=__import__("datetime").timedelta(seconds=a.collective_timeout_s))
+                                timeout=datetime.timedelta(seconds=a.collective_timeout_s))
         self.exchange = GlooExchange(None, a.collective_timeout_s)
         self.queue = DecodeTransferQueue(None, self.visible, SlotAllocator(a.slots), a.variant,
                                          timeout_steps=a.timeout_steps,
@@ -86,6 +87,8 @@ class DecodeRank:
         self.quitting = False
         self.results: list[dict[str, Any]] = []
         self.step_starts: list[float] = []
+        self.phase: list[dict[str, Any]] = []      # outcomes since the last idle report
+        self.busy = False                          # served requests not all decided yet
         self.stdin = StdinLines()
         kv_page(RequestSpec(0, 1, 1, 0), 0, 0, a.page_bytes)   # build the shared random block now
 
@@ -141,16 +144,14 @@ class DecodeRank:
             self.admit(*self.backlog.popleft())
         for res in self.queue.pop_transferred():
             self.settle(res)
-        if self.outstanding == 0 and not self.backlog and len(self.queue) == 0 and self._busy:
-            self._busy = False
+        if self.outstanding == 0 and not self.backlog and len(self.queue) == 0 and self.busy:
+            self.busy = False
             emit({"idle": True, "step": self.queue.steps, "outcomes": self.phase})
             self.phase = []
         elif self.outstanding:
-            self._busy = True
+            self.busy = True
         return True
 
-    _busy = False
-    phase: list[dict[str, Any]] = []      # outcomes since the last idle report
 
     def settle(self, res: Committed | Aborted) -> None:
         idx = int(res.decode_req.req.rid)
@@ -164,9 +165,9 @@ class DecodeRank:
         elif not t.done:
             self.transport.abort(t.spec.room)        # ask for a fence before reuse
         self.results.append(rec)
-        self.phase = [*self.phase, {k: rec.get(k) for k in
+        self.phase.append({k: rec.get(k) for k in
                                     ("req", "decision", "step", "local", "kv_ok", "row_ok", "token_ok",
-                                     "t_enq", "t_pop")}]
+                                     "t_enq", "t_pop")})
 
     def check(self, t: Tracked, res: Committed) -> dict[str, Any]:
         """Byte-for-byte: every KV page and every field of the metadata row."""

@@ -74,9 +74,10 @@ class MooncakeKVReceiver:
                 self.success_at = at
             return True
 
-    def sent(self) -> None:
-        """The rank's own thread sent the XFER: WaitingForInput is visible at once (it is
-        not news from the network, so it does not wait for ``observe``)."""
+    def enter_queue(self) -> None:
+        """The request enters the transfer queue (its XFER sent, or its failure pending):
+        WaitingForInput is visible at once, being the rank's own action rather than news
+        from the network; a pending failure becomes visible at the next ``observe``."""
         with self._lock:
             if self._pending == BOOTSTRAPPING:
                 self._pending = WAITING

@@ -180,7 +180,8 @@ def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
         assert "heartbeats" in str(rec.failure_exception())
         wait_for(lambda: rec.observe().fenced or rec.fenced, what="fence after the grace period")
         late = rank.transport.start(specs[1].room, 1, rank.pages(2), server.endpoint)
-        assert settle(late) == FAILED             # a dead link fails new requests at once
+        assert late.poll() == WAITING             # enters the queue like any request...
+        assert settle(late) == FAILED             # ...and fails at the next observation
     finally:
         rank.transport.close()
         server.close(close_engine=False)
