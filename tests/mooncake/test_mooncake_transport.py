@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
+from impl.decode import KVReceiver
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import RegistrationError, TransferError, Write
 from impl.mooncake.receiver import FAILED, SUCCESS, WAITING
@@ -76,6 +77,7 @@ def test_requests_land_byte_exact_with_room_last(link):
 def test_receiver_is_monotonic_and_latched(link):
     server, rank, specs = link
     rec = rank.transport.start(specs[0].room, 0, rank.pages(specs[0].n_pages), server.endpoint)
+    assert isinstance(rec, KVReceiver)
     assert settle(rec) == SUCCESS
     assert not rec.deliver(FAILED, "late failure")      # latched: ignored
     assert not rec.deliver(WAITING)
@@ -96,7 +98,7 @@ HOSTILE_STATUS = [
 ]
 
 
-def test_hostile_status_frames_are_dropped_and_the_thread_survives(link):
+def test_hostile_status_frames_are_dropped_and_the_thread_survives(link, caplog):
     server, rank, specs = link
     spec = specs[1]
     # Hold Success back so the hostile frames race a live request.
@@ -111,6 +113,7 @@ def test_hostile_status_frames_are_dropped_and_the_thread_survives(link):
     wait_for(lambda: rank.transport.dropped >= len(frames_), what="frames to be dropped")
     push.close()
     assert rank.transport.dropped == len(frames_)
+    assert sum("dropped control frame" in r.getMessage() for r in caplog.records) == len(frames_)
     assert settle(rec) == SUCCESS, rec.failure_exception()
     assert int(rank.room[1, 0]) == spec.room
 
