@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from impl.decode import MetadataBuffers, apply_metadata_gate, gate_tensor
-from impl.decode.gate import polls_tensor, resolve_variant
+from impl.decode.gate import check_polls, resolve_variant
 from model.spec import KVPoll
 
 SUCCESS, TRANSFERRING = int(KVPoll.Success), int(KVPoll.Transferring)
@@ -72,7 +72,7 @@ def measure(n: int, budget_s: float) -> dict[str, float]:
 
     def queue_gate(variant: str = "gate"):
         v = resolve_variant(variant)
-        return lambda: gate_tensor(v, polls_tensor(polls),
+        return lambda: gate_tensor(v, check_polls(polls),
                                    buffers.room_column.index_select(0, slot_t), room_t, age_t)
 
     a, b = list(polls), list(polls)

@@ -47,21 +47,44 @@ def digest(rooms: torch.Tensor) -> torch.Tensor:
     return (x ^ (x >> 29)).sum().reshape(1).cpu()
 
 
+def header(length: int, fingerprint: torch.Tensor | None, ok: bool) -> torch.Tensor:
+    """Status byte, then length and digest bytes, then their complements."""
+    h = torch.empty(HEADER, dtype=torch.uint8)
+    h[0] = 1 if ok else 0
+    h[1:1 + LEN_BYTES] = torch.tensor(list(length.to_bytes(LEN_BYTES, "big")), dtype=torch.uint8)
+    h[1 + LEN_BYTES:1 + _PAYLOAD] = fingerprint.view(torch.uint8) if fingerprint is not None else 0
+    torch.sub(255, h[1:1 + _PAYLOAD], out=h[1 + _PAYLOAD:HEADER])
+    return h
+
+
+class Message:
+    """A reusable fixed-shape buffer for one rank's step message. The header is rebuilt
+    only when the queue changed; the padding is never reset because nobody reads it
+    (only the first ``length`` values, and only once every rank agreed on ``length``)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.buf = torch.full((HEADER + capacity,), _PAD, dtype=torch.uint8)
+        self._key: tuple | None = None
+        self._fingerprint: torch.Tensor | None = None
+        self._header = torch.empty(HEADER, dtype=torch.uint8)
+
+    def fill(self, values: torch.Tensor, length: int, fingerprint: torch.Tensor | None,
+             ok: bool) -> torch.Tensor:
+        if (length, ok) != self._key or fingerprint is not self._fingerprint:
+            self._header = header(length, fingerprint, ok)
+            self._key, self._fingerprint = (length, ok), fingerprint
+        self.buf[:HEADER] = self._header
+        if ok and length:
+            self.buf[HEADER:HEADER + length] = values
+        return self.buf
+
+
 def encode(values: torch.Tensor, length: int, fingerprint: torch.Tensor | None, ok: bool,
            capacity: int | None) -> torch.Tensor:
-    """The message one rank contributes: header + values (+ padding to ``capacity``)."""
-    width = HEADER + (length if capacity is None else capacity)
-    msg = torch.full((width,), _PAD, dtype=torch.uint8)
-    msg[0] = 1 if ok else 0
-    msg[1:1 + LEN_BYTES] = torch.tensor(list(length.to_bytes(LEN_BYTES, "big")), dtype=torch.uint8)
-    if fingerprint is not None:
-        msg[1 + LEN_BYTES:1 + _PAYLOAD] = fingerprint.view(torch.uint8)
-    else:
-        msg[1 + LEN_BYTES:1 + _PAYLOAD] = 0
-    torch.sub(255, msg[1:1 + _PAYLOAD], out=msg[1 + _PAYLOAD:HEADER])
-    if ok and length and values.numel():
-        msg[HEADER:HEADER + length] = values.cpu()
-    return msg
+    """A fresh message: header + values (+ padding to ``capacity``)."""
+    msg = Message(length if capacity is None else capacity)
+    return msg.fill(values.cpu(), length, fingerprint, ok)
 
 
 def read_header(reduced: torch.Tensor) -> Agreement:
@@ -124,25 +147,32 @@ def fingerprint_row(length: int, fingerprint: torch.Tensor | None, ok: bool) -> 
 
 
 def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torch.Tensor | None = None,
-              ok: bool = True, capacity: int | None = None) -> torch.Tensor:
+              ok: bool = True, capacity: int | None = None,
+              message: Message | None = None) -> torch.Tensor:
     """Element-wise MIN of ``values`` (uint8) over every rank of the group.
 
     Raises CollectiveLengthMismatch / QueueContentMismatch / PeerAbortedStep on every
     rank when they disagree, CollectiveTimeout when a peer never arrives. ``ok=False``
     says this rank has a local error: it still takes part, so its peers fail fast too.
     With ``capacity`` the step needs one collective; without it, the header goes first.
+    ``message`` (a Message of that capacity) is reused instead of a fresh buffer; the
+    result is then a view into it, valid until the next fill.
     """
     length = int(values.numel())
     if capacity is not None and length > capacity:
         raise ValueError(f"queue of {length} exceeds the collective capacity {capacity}")
     if capacity is None:
-        head = exchange.all_reduce_min(encode(values, length, fingerprint, ok, 0))
+        head = exchange.all_reduce_min(header(length, fingerprint, ok))
         agreement = read_header(head)
         if agreement.ok and agreement.same:
             body = values.to(torch.uint8).cpu().clone()
             return exchange.all_reduce_min(body) if length else body
     else:
-        reduced = exchange.all_reduce_min(encode(values, length, fingerprint, ok, capacity))
+        if message is not None and message.capacity == capacity:
+            msg = message.fill(values.cpu(), length, fingerprint, ok)
+        else:
+            msg = encode(values, length, fingerprint, ok, capacity)
+        reduced = exchange.all_reduce_min(msg)
         agreement = read_header(reduced)
         if agreement.ok and agreement.same:
             return reduced[HEADER:HEADER + length]

@@ -21,6 +21,7 @@ from model.spec.variants import Variant, get_variant
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
 POLL_SET = frozenset(int(p) for p in KVPoll)
+_MAX_POLL = max(POLL_SET)
 GATED_VARIANTS = ("gate", "strict")
 SUPPORTED_VARIANTS = ("ungated", *GATED_VARIANTS)
 
@@ -118,24 +119,39 @@ def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
                                                                      dtype=torch.int64)
 
 
-def check_polls(polls: Sequence[Any], rids: Sequence[str] | None = None) -> None:
-    """Refuse anything that is not a KVPoll int, at C speed for the common case."""
-    if _all_ints(polls) and POLL_SET.issuperset(polls):
-        return
+# Representatives of every (room_seen == 0, room_seen == expected, expected == 0) case the
+# kernel can tell apart (it only compares rooms for equality, with each other and with 0).
+_ROOM_CASES = ((0, 0), (0, 1), (1, 1), (1, 2), (1, 0))
+
+
+def may_pop(v: Variant) -> np.ndarray:
+    """For each reduced poll value 0..4, whether the spec's ``pop_decision`` can let a
+    request leave. Lets a step whose MIN holds only other values skip the decisions;
+    derived from the kernel itself, so it cannot disagree with it."""
+    return np.array([any(pop_decision(v, r, s, e) != int(Decision.KEEP) for s, e in _ROOM_CASES)
+                     for r in range(_MAX_POLL + 1)], dtype=bool)
+
+
+def check_polls(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
+    """The polls as a uint8 tensor, refusing anything that is not a KVPoll int.
+
+    ``bytearray`` does the type and 0..255 check at C speed (a bool counts as the int it
+    is); the slow loop only runs to name the offender."""
+    try:
+        raw = bytearray(polls)
+        if not raw or max(raw) <= _MAX_POLL:
+            return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    except (TypeError, ValueError):
+        pass
     for i, p in enumerate(polls):
-        if isinstance(p, bool) or not isinstance(p, int) or int(p) not in POLL_SET:
-            raise BadPollValue(rids[i] if rids is not None else None, p)
+        if not isinstance(p, int) or int(p) not in POLL_SET:
+            raise BadPollValue(rid_of(i) if rid_of is not None else None, p)
+    raise AssertionError("unreachable")
 
 
 _SLOT = attrgetter("metadata_buffer_index")
 _ROOM = attrgetter("req.bootstrap_room")
 _HOST = attrgetter("req.bootstrap_host")
-
-
-def polls_tensor(polls: Sequence[int]) -> torch.Tensor:
-    """Checked polls as uint8 (bytearray converts a list of small ints at C speed)."""
-    return torch.frombuffer(bytearray(polls), dtype=torch.uint8) if len(polls) else \
-        torch.empty(0, dtype=torch.uint8)
 
 
 def _is_int(x: Any) -> bool:
@@ -176,7 +192,16 @@ def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_b
                         variant: str | Variant = "gate", ages: Sequence[int] | None = None,
                         ) -> list[int]:
     """SGLang's ``_apply_metadata_gate`` shape, vectorized: returns the gated polls and
-    also writes them into ``polls`` (SGLang mutates in place).
+    also writes them into ``polls`` (SGLang mutates in place). See ``gate_decode_reqs``."""
+    gated = gate_decode_reqs(polls, decode_reqs, metadata_buffers, variant, ages)
+    polls[:] = gated.tolist()
+    return polls
+
+
+def gate_decode_reqs(polls: list[int], decode_reqs: Sequence[Any], metadata_buffers: Any,
+                     variant: str | Variant = "gate", ages: Sequence[int] | None = None,
+                     ) -> torch.Tensor:
+    """The gated polls (uint8 tensor) for SGLang's argument shapes: one gather, no .item().
 
     ``decode_reqs[i].req.bootstrap_room`` / ``.req.bootstrap_host`` /
     ``.metadata_buffer_index`` and ``metadata_buffers.bootstrap_room`` (size, 8) are
@@ -187,9 +212,9 @@ def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_b
     n = len(polls)
     if len(decode_reqs) != n:
         raise ValueError(f"{n} polls for {len(decode_reqs)} decode requests")
-    check_polls(polls)
+    local = check_polls(polls)
     if n == 0:
-        return polls
+        return local
     room_col = room_column_of(metadata_buffers)
     dev = room_col.device
     # C-level attribute reads (map + attrgetter + fromiter): no per-request bytecode
@@ -204,10 +229,9 @@ def apply_metadata_gate(polls: list[int], decode_reqs: Sequence[Any], metadata_b
     real = (torch.tensor([h != FAKE_BOOTSTRAP_HOST for h in hosts], device=dev)
             if FAKE_BOOTSTRAP_HOST in set(hosts) else None)
     age = torch.tensor(list(ages), dtype=torch.int64, device=dev) if ages is not None else 0
-    local = polls_tensor(polls).to(dev)
+    local = local.to(dev)
     seen = gather_rooms(room_col, slots)
-    polls[:] = gate_tensor(v, local, seen, expected, age, real).tolist()
-    return polls
+    return gate_tensor(v, local, seen, expected, age, real)
 
 
 def room_column_of(metadata_buffers: Any) -> torch.Tensor:

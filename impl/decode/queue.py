@@ -13,12 +13,12 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import torch
 
 from impl.decode.buffers import MetadataBuffers, SlotAllocator
-from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, agree_min, digest
+from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, agree_min, digest
 from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, DuplicateRequest,
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
-                              polls_tensor, resolve_variant)
+                              may_pop, resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -110,6 +110,7 @@ class DecodeTransferQueue:
         self.exchange = exchange or GlooExchange(gloo_group, collective_timeout_s)
         dev = metadata_buffers.device
         self._reqs: list[DecodeRequest] = []
+        self._poll_fns: list[Any] = []                   # bound poll methods, queue order
         self._pending: list[DecodeRequest] = []          # added, not yet in the tensors
         self._slots = _EMPTY_I64.to(dev)
         self._expected = _EMPTY_I64.to(dev)
@@ -119,6 +120,9 @@ class DecodeTransferQueue:
         self._holders: dict[int, str] = {}               # slot -> rid (queued or quarantined)
         self._rids: set[str] = set()                     # queued request ids
         self._fakes = 0                                  # queued fake transfers
+        self._fingerprint: torch.Tensor | None = None    # digest of the queue, cached
+        self._message = Message(metadata_buffers.size)   # the step's collective buffer
+        self._may_pop = may_pop(self.variant)            # reduced value -> can anything leave
         self._quarantine: list[DecodeRequest] = []
         self.steps = 0
 
@@ -158,10 +162,12 @@ class DecodeTransferQueue:
         self._holders[idx] = req.rid
         self._rids.add(req.rid)
         self._reqs.append(decode_req)
+        self._poll_fns.append(decode_req.kv_receiver.poll)
         self._pending.append(decode_req)
 
     def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
         """Allocate a slot and add; on refusal the slot goes back and nothing changed."""
+        self.release_fenced()                  # slots whose writes got fenced since the step
         idx = self.allocator.alloc()
         decode_req = DecodeRequest(req, receiver, idx)
         try:
@@ -185,6 +191,7 @@ class DecodeTransferQueue:
         self._real = torch.cat([self._real, real])
         self._age = torch.cat([self._age, torch.zeros(len(new), dtype=torch.int64, device=dev)])
         self._pending = []
+        self._fingerprint = None
 
     # -- one protocol step ----------------------------------------------------------
     def pop_transferred(self) -> list[Committed | Aborted]:
@@ -193,7 +200,8 @@ class DecodeTransferQueue:
         plan = self.begin_step()
         try:
             reduced = agree_min(self.exchange, plan.gated, fingerprint=plan.fingerprint,
-                                ok=plan.error is None, capacity=self.buffers.size)
+                                ok=plan.error is None, capacity=self.buffers.size,
+                                message=self._message)
         except PeerAbortedStep:
             if plan.error is not None:
                 raise plan.error from None
@@ -208,14 +216,15 @@ class DecodeTransferQueue:
         ``plan.error`` so the rank can still tell its peers before raising."""
         self._sync()
         reqs = list(self._reqs)
-        polls = [d.kv_receiver.poll() for d in reqs]
-        fp = digest(self._expected)
+        polls = [poll() for poll in self._poll_fns]
+        if self._fingerprint is None:                 # recomputed only when the queue changed
+            self._fingerprint = digest(self._expected)
+        fp = self._fingerprint
         try:
-            check_polls(polls, [d.req.rid for d in reqs])
+            local = check_polls(polls, lambda i: reqs[i].req.rid).to(self.buffers.device)
         except DecodeInputError as exc:
             empty = torch.empty(0, dtype=torch.uint8)
             return StepPlan(reqs, empty, _EMPTY_I64, empty, fp, exc)
-        local = polls_tensor(polls).to(self.buffers.device)
         seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
         real = self._real if self._fakes else None       # skip the mask when all are real
         gated = gate_tensor(self.variant, local, seen, self._expected, self._age, real)
@@ -225,25 +234,32 @@ class DecodeTransferQueue:
         """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
         if plan.error is not None:
             raise plan.error
+        if not self._may_pop[reduced.numpy()].any():      # no MIN value can pop anything
+            return self._keep_all(plan, reduced)
         reduced = reduced.to(self.buffers.device)
         decisions = decide_tensor(self.variant, reduced, plan.seen, self._expected, self._real)
         leave = decisions != int(Decision.KEEP)
         if not bool(leave.any()):
-            self._age += 1
-            self._trace(plan, reduced, ())
-            self.steps += 1
-            return []
+            return self._keep_all(plan, reduced)
         results = self._pop(plan.reqs, leave, decisions)
         keep = ~leave
+        self._fingerprint = None
         self._slots, self._expected = self._slots[keep], self._expected[keep]
         self._real, self._age = self._real[keep], self._age[keep] + 1
         keep_list = keep.tolist()
         self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
+        self._poll_fns = [f for f, k in zip(self._poll_fns, keep_list) if k]
         self._trace(plan, reduced, [(r.decode_req.req.rid, int(r.decision),
                                      r.first_token if isinstance(r, Committed) else 0)
                                     for r in results])
         self.steps += 1
         return results
+
+    def _keep_all(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
+        self._age += 1
+        self._trace(plan, reduced, ())
+        self.steps += 1
+        return []
 
     def _pop(self, reqs: list[DecodeRequest], leave: torch.Tensor,
              decisions: torch.Tensor) -> list[Committed | Aborted]:

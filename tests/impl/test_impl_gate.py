@@ -72,7 +72,7 @@ def test_sglang_shaped_gate_matches_spec(name, rs):
     assert out == [p if fake else gated_poll(v, p, s, e, a) for p, s, e, a, fake in rs]
 
 
-@pytest.mark.parametrize("bad", [5, -1, 255, 4.0, None, True, "4"])
+@pytest.mark.parametrize("bad", [5, -1, 255, 256, 4.0, None, "4"])
 def test_bad_poll_values_are_refused_with_polls_untouched(bad):
     buffers = MetadataBuffers(4)
     reqs = _decode_reqs([(4, 9, 9, 0, False), (4, 9, 9, 0, False)], buffers)
@@ -99,3 +99,12 @@ def test_slot_out_of_range_and_bad_room_are_refused():
 def test_unsupported_variant_is_refused():
     with pytest.raises(ValueError, match="supports the variants"):
         apply_metadata_gate([], [], MetadataBuffers(1), "gate-noclear")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(VARIANTS), polls, rooms, rooms)
+def test_may_pop_table_covers_every_pop_the_kernel_makes(name, reduced, seen, exp):
+    from impl.decode.gate import may_pop
+    v = get_variant(name)
+    if pop_decision(v, reduced, seen, exp) != 0:
+        assert may_pop(v)[reduced]
