@@ -226,7 +226,10 @@ class DecodeTransport:
             if w is None:
                 w = watches[id(link)] = self._watch(link, poller)
             if link.alive:
-                w.sock.send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                try:
+                    w.sock.send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                except zmq.Again:           # not connected, or pings piling up: a miss
+                    pass
                 if now - link.last_pong > self.heartbeat_s * self.heartbeat_misses:
                     self._mark_dead(link, now, f"missed {self.heartbeat_misses} heartbeats")
             elif link.dead_at is not None and now - link.dead_at >= self.fence_grace_s:
@@ -263,22 +266,26 @@ class DecodeTransport:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         continue
-                    if sock is self._status:
-                        self._on_status(parts)
-                        continue
-                    w = next((w for w in watches.values() if sock in (w.sock, w.monitor)), None)
-                    if w is None:
-                        continue
-                    if sock is w.monitor:
-                        self._on_monitor(w, parts)
-                    else:
-                        self._on_pong(w, parts)
+                    try:
+                        self._dispatch(sock, parts, watches)
+                    except Exception as exc:     # never let one frame stop the thread
+                        self._drop(f"{type(exc).__name__} while handling a frame: {exc}")
         except zmq.ContextTerminated:
             pass
         finally:
             for w in watches.values():
                 w.monitor.close()
                 w.sock.close()
+
+    def _dispatch(self, sock: zmq.Socket, parts: list[bytes], watches: dict[int, _Watch]) -> None:
+        if sock is self._status:
+            self._on_status(parts)
+            return
+        w = next((w for w in watches.values() if sock in (w.sock, w.monitor)), None)
+        if w is not None and sock is w.monitor:
+            self._on_monitor(w, parts)
+        elif w is not None:
+            self._on_pong(w, parts)
 
     def _on_monitor(self, w: _Watch, parts: list[bytes]) -> None:
         event = zmq.utils.monitor.parse_monitor_message(parts)["event"]

@@ -130,6 +130,8 @@ class PrefillServer:
                     self._handle(ident, kind, body)
                 except fr.FrameError as exc:
                     self._drop(f"{kind[:16]!r}: {exc}")
+                except Exception as exc:         # never let one frame stop the server
+                    self._drop(f"{kind[:16]!r}: {type(exc).__name__}: {exc}")
         except zmq.ContextTerminated:
             pass
 
