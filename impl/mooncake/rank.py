@@ -88,6 +88,8 @@ class DecodeRank:
         self.results: list[dict[str, Any]] = []
         self.step_starts: list[float] = []
         self.phase: list[dict[str, Any]] = []      # outcomes since the last idle report
+        self.unchecked: dict[int, dict[str, Any]] = {}   # committed, KV not yet checked
+        self.held: dict[int, Tracked] = {}               # ...and left the landing tracker
         self.busy = False                          # served requests not all decided yet
         self.stdin = StdinLines()
         kv_page(RequestSpec(0, 1, 1, 0), 0, 0, a.page_bytes)   # build the shared random block now
@@ -110,8 +112,10 @@ class DecodeRank:
     # -- one scheduler step ----------------------------------------------------------------
     def admissible(self) -> int:
         """How many backlog requests this rank could admit now (in order)."""
-        n, pages = 0, len(self.free_pages)
         room = min(self.queue.allocator.available_size(), self.a.inflight - len(self.queue))
+        if self.backlog and room > 0:
+            self.verify(need_pages=self.backlog[0][0].n_pages)
+        n, pages = 0, len(self.free_pages)
         for s, _ in self.backlog:
             if n >= room or s.n_pages > pages:
                 break
@@ -146,7 +150,11 @@ class DecodeRank:
             self.settle(res)
         if self.outstanding == 0 and not self.backlog and len(self.queue) == 0 and self.busy:
             self.busy = False
-            emit({"idle": True, "step": self.queue.steps, "outcomes": self.phase})
+            self.release_pages()
+            self.verify()
+            emit({"idle": True, "step": self.queue.steps, "outcomes": [
+                {k: rec.get(k) for k in ("req", "decision", "step", "local", "kv_ok", "row_ok",
+                                         "token_ok", "t_enq", "t_pop")} for rec in self.phase]})
             self.phase = []
         elif self.outstanding:
             self.busy = True
@@ -161,30 +169,42 @@ class DecodeRank:
                "decision": res.decision.name.lower(), "t_pop": time.monotonic(),
                "t_last_byte": t.t_last_byte, "local": t.receiver.poll(), "t_enq": t.t_enq}
         if isinstance(res, Committed):
-            rec.update(self.check(t, res))
+            rec.update(self.check_row(t, res))
+            self.unchecked[idx] = rec
         elif not t.done:
             self.transport.abort(t.spec.room)        # ask for a fence before reuse
         self.results.append(rec)
-        self.phase.append({k: rec.get(k) for k in
-                                    ("req", "decision", "step", "local", "kv_ok", "row_ok", "token_ok",
-                                     "t_enq", "t_pop")})
+        self.phase.append(rec)
 
-    def check(self, t: Tracked, res: Committed) -> dict[str, Any]:
-        """Byte-for-byte: every KV page and every field of the metadata row."""
-        pb = self.a.page_bytes
-        kv_ok = all(np.array_equal(self.pool[p].cpu().numpy(), kv_page(t.spec, self.rank, j, pb))
-                    for j, p in enumerate(t.pages))
+    def check_row(self, t: Tracked, res: Committed) -> dict[str, Any]:
+        """Byte-for-byte, at commit: every field of the metadata row and the first token."""
         rows_ok = all(row.cpu().contiguous().view(torch.uint8).numpy().tobytes()
                       == metadata_row(t.spec, name, row.nbytes)
                       for name, row in res.fields.items())
-        token_ok = res.first_token == t.spec.first_token
-        return {"kv_ok": kv_ok, "row_ok": rows_ok, "token_ok": token_ok,
-                "kv_bytes": len(t.pages) * pb}
+        return {"row_ok": rows_ok, "token_ok": res.first_token == t.spec.first_token,
+                "kv_ok": None, "kv_bytes": len(t.pages) * self.a.page_bytes}
+
+    def verify(self, need_pages: int | None = None) -> None:
+        """Byte-for-byte check of committed requests' KV pages, oldest first, then free
+        them. It runs when pages run short or the rank goes idle, not in the step that
+        committed: a test harness's check, kept out of the transfer window it measures.
+        The pages stay allocated until checked, so nothing can overwrite them before."""
+        pb = self.a.page_bytes
+        while self.held and (need_pages is None or len(self.free_pages) < need_pages):
+            idx, t = next(iter(self.held.items()))
+            del self.held[idx]
+            self.unchecked.pop(idx)["kv_ok"] = all(
+                np.array_equal(self.pool[p].cpu().numpy(), kv_page(t.spec, self.rank, j, pb))
+                for j, p in enumerate(t.pages))
+            self.free_pages.extend(t.pages)
 
     def release_pages(self) -> None:
         for t in self.landing.forget_done():
-            self.free_pages.extend(t.pages)
             self.transport.forget(t.spec.room)
+            if t.spec.index in self.unchecked:
+                self.held[t.spec.index] = t          # committed: free once its KV is checked
+            else:
+                self.free_pages.extend(t.pages)
 
     def run(self) -> None:
         emit({"ready": True, "status_endpoint": self.transport.status_endpoint})
@@ -201,6 +221,8 @@ class DecodeRank:
             raise TimeoutError(f"rank {self.rank}: still running after --lifetime-s {self.a.lifetime_s}")
 
     def write_result(self) -> None:
+        self.release_pages()
+        self.verify()
         path = self.a.log + ".result.json"
         with open(path, "w", encoding="utf-8") as fp:
             json.dump({"rank": self.rank, "steps": self.queue.steps, "results": self.results,
