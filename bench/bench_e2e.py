@@ -22,7 +22,7 @@ RANKS = 2
 
 
 def run(quick: bool) -> dict:
-    phases, n, warmup = (3, 16, 8) if quick else (9, 32, 8)
+    phases, n, warmup = (3, 16, 8) if quick else (5, 64, 8)
     workload = ["--seed", "11", "--page-bytes", str(64 * 1024), "--min-pages", "4",
                 "--max-pages", "16"]
     rank_args = ["--variant", "strict", "--timeout-steps", "2000", "--slots", "64",
