@@ -51,3 +51,13 @@ def test_e2e_with_a_delayed_row_holds_the_gate_and_validates(tmp_path, capsys):
     with open(trace, encoding="utf-8") as fp:
         result = validate(fp)
     assert result.ok, result.message
+
+
+def test_e2e_gate_variant_on_three_ranks(tmp_path, capsys):
+    out = tmp_path / "gate.json"
+    rc = main(["e2e", "--ranks", "3", "--requests", "6", "--variant", "gate",
+               "--page-bytes", "4096", "--max-pages", "4", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    figs = json.loads(out.read_text())
+    assert (figs["ranks"], figs["committed"], figs["lost"]) == (3, 6, 0)
+    assert figs["byte_exact"] and figs["trace_valid"] and figs["timeout_steps"] is None
