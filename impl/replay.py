@@ -15,7 +15,7 @@ import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from impl.decode.collective import GlooExchange
 from impl.decode.errors import CollectiveError, DecodeInputError
@@ -25,7 +25,6 @@ from impl.ranks import RanksFailed, run_ranks
 from impl.scripted import RankHarness
 from model.spec.events import Event, Step
 from model.spec.machine import RankStep, StepRecord
-from model.spec.kernel import Decision
 from model.spec.trace import Header, TraceFormatError, TraceWriter, parse_header, parse_record, read_records
 from model.spec.validate import ValidationResult, validate
 

@@ -14,6 +14,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,12 +50,10 @@ def digest(rooms: torch.Tensor) -> torch.Tensor:
 
 def header(length: int, fingerprint: torch.Tensor | None, ok: bool) -> torch.Tensor:
     """Status byte, then length and digest bytes, then their complements."""
-    h = torch.empty(HEADER, dtype=torch.uint8)
-    h[0] = 1 if ok else 0
-    h[1:1 + LEN_BYTES] = torch.tensor(list(length.to_bytes(LEN_BYTES, "big")), dtype=torch.uint8)
-    h[1 + LEN_BYTES:1 + _PAYLOAD] = fingerprint.view(torch.uint8) if fingerprint is not None else 0
-    torch.sub(255, h[1:1 + _PAYLOAD], out=h[1 + _PAYLOAD:HEADER])
-    return h
+    fp = fingerprint.numpy().tobytes() if fingerprint is not None else bytes(DIGEST_BYTES)
+    payload = length.to_bytes(LEN_BYTES, "big") + fp
+    raw = bytes([1 if ok else 0]) + payload + bytes(255 - b for b in payload)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 class Message:
@@ -65,18 +64,19 @@ class Message:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.buf = torch.full((HEADER + capacity,), _PAD, dtype=torch.uint8)
+        self._np = self.buf.numpy()          # same memory; numpy slicing costs less per call
         self._key: tuple | None = None
         self._fingerprint: torch.Tensor | None = None
-        self._header = torch.empty(HEADER, dtype=torch.uint8)
+        self._header = np.zeros(HEADER, dtype=np.uint8)
 
     def fill(self, values: torch.Tensor, length: int, fingerprint: torch.Tensor | None,
              ok: bool) -> torch.Tensor:
         if (length, ok) != self._key or fingerprint is not self._fingerprint:
-            self._header = header(length, fingerprint, ok)
+            self._header = header(length, fingerprint, ok).numpy()
             self._key, self._fingerprint = (length, ok), fingerprint
-        self.buf[:HEADER] = self._header
+        self._np[:HEADER] = self._header
         if ok and length:
-            self.buf[HEADER:HEADER + length] = values
+            self._np[HEADER:HEADER + length] = values.numpy()
         return self.buf
 
 
@@ -88,7 +88,7 @@ def encode(values: torch.Tensor, length: int, fingerprint: torch.Tensor | None, 
 
 
 def read_header(reduced: torch.Tensor) -> Agreement:
-    h = reduced[:HEADER].tolist()
+    h = bytes(reduced.numpy()[:HEADER])
     same = all(a + b == 255 for a, b in zip(h[1:1 + _PAYLOAD], h[1 + _PAYLOAD:HEADER]))
     return Agreement(ok=h[0] == 1, same=same)
 
@@ -122,11 +122,13 @@ class GlooExchange:
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
         try:
             work = start()
-            work.wait(timeout=self._timeout)
+            finished = work.wait(timeout=self._timeout)
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise CollectiveTimeout(what, self.timeout_s) from exc
             raise CollectiveFailed(what, exc) from exc
+        if finished is False:            # some backends report a timeout by returning False
+            raise CollectiveTimeout(what, self.timeout_s)
 
     def all_reduce_min(self, msg: torch.Tensor) -> torch.Tensor:
         self._wait(f"all_reduce(MIN) of {msg.numel()} bytes",

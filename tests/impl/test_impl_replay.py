@@ -7,7 +7,7 @@ import pytest
 
 from impl.ranks import run_ranks, timeout_probe
 from impl.replay import load_script, replay_scripts, run
-from impl_walks import divergence, walk
+from .impl_walks import divergence, walk
 
 SEEDS = range(5)
 
