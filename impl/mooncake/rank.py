@@ -81,7 +81,6 @@ class DecodeRank:
                                          collective_timeout_s=a.collective_timeout_s, tracer=self.log)
         self.landing = Landing(self.rank, self.landing_bufs, self.visible)
         self.free_pages: deque[int] = deque(range(a.pages))
-        self.specs: dict[int, RequestSpec] = {}
         self.backlog: deque[tuple[RequestSpec, str]] = deque()
         self.outstanding = 0            # served requests not yet popped
         self.quitting = False
@@ -128,7 +127,6 @@ class DecodeRank:
         receiver = self.transport.start(spec.room, slot, pages, endpoint)
         self.queue.add(DecodeRequest(Req(str(spec.index), spec.room, endpoint), receiver, slot))
         self.landing.track(Tracked(spec, receiver, slot, pages, t_enq=time.monotonic()))
-        self.specs[spec.index] = spec
         self.log.write({"k": "enq", "req": spec.index, "room": spec.room, "payload": spec.first_token})
 
     def step(self) -> bool:
@@ -159,7 +157,6 @@ class DecodeRank:
         elif self.outstanding:
             self.busy = True
         return True
-
 
     def settle(self, res: Committed | Aborted) -> None:
         idx = int(res.decode_req.req.rid)
