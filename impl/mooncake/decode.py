@@ -1,0 +1,317 @@
+"""Decode side of the Mooncake transport: one ``DecodeTransport`` per decode rank.
+
+It registers the rank's KV pool and metadata fields with its engine, handshakes with
+each prefill it is told about (HELLO), starts one ``MooncakeKVReceiver`` per request
+(XFER: the request's page indices and metadata slot), and runs one I/O thread that
+consumes status frames ``[room, status, prefill_rank]`` and heartbeats every prefill.
+Frames are checked before anything is touched; bad ones are counted, logged, dropped.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.utils.monitor
+
+from impl.mooncake import frames as fr
+from impl.mooncake.engine import Engine, MooncakeError, Region
+from impl.mooncake.receiver import FAILED, SUCCESS, MooncakeKVReceiver
+
+log = logging.getLogger("pdgate.mooncake.decode")
+
+
+class BootstrapError(MooncakeError):
+    """The handshake with a prefill failed or timed out."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A buffer to register: base address, page/row size in bytes, number of pages/rows."""
+    name: str
+    addr: int
+    item_bytes: int
+    items: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_bytes * self.items
+
+
+@dataclass
+class PrefillLink:
+    endpoint: str
+    prefill_rank: int
+    session: str
+    sock: zmq.Socket                      # main thread only: HELLO, XFER, ABORT
+    monitor: zmq.Socket                   # I/O thread only: sock's connection events
+    alive: bool = True
+    last_pong: float = field(default_factory=time.monotonic)
+    dead_at: float | None = None
+
+
+@dataclass
+class _Watch:
+    link: PrefillLink
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    connected: bool = False
+
+
+@dataclass
+class _Entry:
+    receiver: MooncakeKVReceiver
+    link: PrefillLink
+
+
+class DecodeTransport:
+    def __init__(self, rank: int, engine: Engine, kv: BufferSpec, fields: list[BufferSpec],
+                 room_field: str = "bootstrap_room", host: str = "127.0.0.1",
+                 heartbeat_s: float = 0.2, heartbeat_misses: int = 5,
+                 fence_grace_s: float = 30.0, timeout_s: float = 5.0):
+        if room_field not in {f.name for f in fields}:
+            raise ValueError(f"room field {room_field!r} is not among the metadata fields")
+        self.rank, self.engine, self.kv, self.fields = rank, engine, kv, fields
+        self.room_field, self.host, self.timeout_s = room_field, host, timeout_s
+        self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
+        self.fence_grace_s = fence_grace_s
+        self.dropped = 0                  # frames logged and dropped (tests read it)
+        self._regions: list[Region] = [engine.register(b.name, b.addr, b.nbytes)
+                                       for b in [kv, *fields]]
+        self._ctx = zmq.Context.instance()
+        self._status = self._ctx.socket(zmq.PULL)
+        self._status.setsockopt(zmq.LINGER, 0)
+        port = self._status.bind_to_random_port(f"tcp://{host}")
+        self.status_endpoint = f"tcp://{host}:{port}"
+        self._links: dict[str, PrefillLink] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._io_loop, name=f"mooncake-status-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- handshake and requests (the rank's scheduler thread) ---------------------------
+    def hello(self) -> fr.Hello:
+        layout = tuple(fr.FieldLayout(f.name, f.addr, f.item_bytes, f.items) for f in self.fields)
+        return fr.Hello(self.rank, self.engine.session_id, self.status_endpoint, self.kv.addr,
+                        self.kv.item_bytes, self.kv.items, layout, self.room_field)
+
+    def connect(self, endpoint: str) -> PrefillLink:
+        """Handshake with the prefill at ``endpoint`` (once; cached while it is alive,
+        so a prefill restarted on the same endpoint gets a fresh handshake)."""
+        link = self._links.get(endpoint)
+        if link is not None and link.alive:
+            return link
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Created here, used only by the I/O thread from now on: it sees the connection
+        # drop even if the prefill dies before the first heartbeat.
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(endpoint)
+        sock.send_multipart(self.hello().encode())
+        if not sock.poll(int(self.timeout_s * 1000)):
+            monitor.close()
+            sock.close()
+            raise BootstrapError(f"rank {self.rank}: no HELLO reply from prefill {endpoint} "
+                                 f"within {self.timeout_s} s")
+        reply = sock.recv_multipart()
+        try:
+            if len(reply) != 2 or reply[0] != fr.HELLO_OK:
+                raise fr.FrameError(f"prefill refused: {reply[-1][:200]!r}")
+            prefill_rank, session = fr.decode_hello_ok(reply[1])
+        except fr.FrameError as exc:
+            monitor.close()
+            sock.close()
+            raise BootstrapError(f"rank {self.rank}: handshake with {endpoint}: {exc}") from None
+        link = PrefillLink(endpoint, prefill_rank, session, sock, monitor)
+        with self._lock:
+            self._links[endpoint] = link
+        return link
+
+    def start(self, room: int, slot: int, pages: tuple[int, ...], endpoint: str) -> MooncakeKVReceiver:
+        """Create the request's receiver and send prefill its pages and slot.
+
+        Checks the slot and pages against this rank's own buffers first: a bad index is a
+        ValueError and nothing is sent.
+        """
+        if not 0 < room < 1 << 64:
+            raise ValueError(f"room {room} outside 1..2^64-1")
+        if not 0 <= slot < self.fields[0].items:
+            raise ValueError(f"slot {slot} outside 0..{self.fields[0].items - 1}")
+        if not pages or any(not 0 <= p < self.kv.items for p in pages):
+            raise ValueError(f"page indices must be in 0..{self.kv.items - 1}")
+        with self._lock:
+            if room in self._entries:
+                raise ValueError(f"room {room} already has a receiver on rank {self.rank}")
+        receiver = MooncakeKVReceiver(room, self.rank, slot, tuple(pages))
+        receiver.enter_queue()
+        try:
+            link = self.connect(endpoint)
+        except BootstrapError as exc:
+            receiver.deliver(FAILED, str(exc))
+            return receiver
+        with self._lock:
+            self._entries[room] = _Entry(receiver, link)
+            alive = link.alive
+        if not alive:
+            receiver.deliver(FAILED, f"prefill {endpoint} is unreachable")
+            return receiver
+        link.sock.send_multipart(fr.Xfer(room, self.rank, slot, tuple(pages)).encode())
+        return receiver
+
+    def abort(self, room: int) -> None:
+        """Ask the prefill to stop writing ``room`` here and answer FENCED once nothing is
+        in flight (a dead prefill is fenced after ``fence_grace_s`` instead)."""
+        with self._lock:
+            entry = self._entries.get(room)
+        if entry is not None and entry.link.alive:
+            entry.link.sock.send_multipart(fr.encode_abort(room, self.rank))
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._entries.pop(room, None)
+
+    def receivers(self) -> list[MooncakeKVReceiver]:
+        with self._lock:
+            return [e.receiver for e in self._entries.values()]
+
+    # -- the I/O thread ------------------------------------------------------------------
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped <= 20 or self.dropped % 1000 == 0:
+            log.warning("rank %d: dropped control frame (%d so far): %s", self.rank, self.dropped, why)
+
+    def _on_status(self, parts: list[bytes]) -> None:
+        try:
+            st = fr.decode_status(parts)
+        except fr.FrameError as exc:
+            self._drop(str(exc))
+            return
+        with self._lock:
+            entry = self._entries.get(st.room)
+        if entry is None:
+            self._drop(f"status for unknown room {st.room}")
+            return
+        if st.prefill_rank != entry.link.prefill_rank:
+            self._drop(f"status for room {st.room} from prefill rank {st.prefill_rank}, "
+                       f"expected {entry.link.prefill_rank}")
+            return
+        if st.status == fr.STATUS_FENCED:
+            entry.receiver.deliver_fence()
+        elif st.status == fr.STATUS_SUCCESS:
+            entry.receiver.deliver(SUCCESS, at=time.monotonic())
+        else:
+            entry.receiver.deliver(FAILED, "prefill reported Failed")
+
+    def _watch(self, link: PrefillLink, poller: zmq.Poller) -> _Watch:
+        """The I/O thread's side of one link: its own DEALER for PING/PONG, and the
+        monitor of the link's DEALER, which reports the TCP connection dropping (a
+        killed prefill; a frozen one keeps its connections and misses heartbeats)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(link.endpoint)
+        poller.register(sock, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
+        return _Watch(link, sock, link.monitor)
+
+    def _heartbeat(self, watches: dict[int, _Watch], poller: zmq.Poller, seq: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            w = watches.get(id(link))
+            if w is None:
+                w = watches[id(link)] = self._watch(link, poller)
+            if link.alive:
+                try:
+                    w.sock.send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                except zmq.Again:           # not connected, or pings piling up: a miss
+                    pass
+                if now - link.last_pong > self.heartbeat_s * self.heartbeat_misses:
+                    self._mark_dead(link, now, f"missed {self.heartbeat_misses} heartbeats")
+            elif link.dead_at is not None and now - link.dead_at >= self.fence_grace_s:
+                link.dead_at = None
+                for e in self._link_entries(link):
+                    e.receiver.deliver_fence()
+
+    def _link_entries(self, link: PrefillLink) -> list[_Entry]:
+        with self._lock:
+            return [e for e in self._entries.values() if e.link is link]
+
+    def _mark_dead(self, link: PrefillLink, now: float, why: str) -> None:
+        if not link.alive:
+            return
+        link.alive, link.dead_at = False, now
+        log.warning("rank %d: prefill %s %s: failing its requests", self.rank, link.endpoint, why)
+        for e in self._link_entries(link):
+            e.receiver.deliver(FAILED, f"prefill {link.endpoint} {why}")
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._status, zmq.POLLIN)
+        watches: dict[int, _Watch] = {}
+        seq, next_beat = 0, 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    seq += 1
+                    self._heartbeat(watches, poller, seq)
+                    next_beat = now + self.heartbeat_s
+                for sock, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        continue
+                    try:
+                        self._dispatch(sock, parts, watches)
+                    except Exception as exc:     # never let one frame stop the thread
+                        self._drop(f"{type(exc).__name__} while handling a frame: {exc}")
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for w in watches.values():
+                w.monitor.close()
+                w.sock.close()
+
+    def _dispatch(self, sock: zmq.Socket, parts: list[bytes], watches: dict[int, _Watch]) -> None:
+        if sock is self._status:
+            self._on_status(parts)
+            return
+        w = next((w for w in watches.values() if sock in (w.sock, w.monitor)), None)
+        if w is not None and sock is w.monitor:
+            self._on_monitor(w, parts)
+        elif w is not None:
+            self._on_pong(w, parts)
+
+    def _on_monitor(self, w: _Watch, parts: list[bytes]) -> None:
+        event = zmq.utils.monitor.parse_monitor_message(parts)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            w.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and w.connected:
+            self._mark_dead(w.link, time.monotonic(), "closed its connection")
+
+    def _on_pong(self, w: _Watch, parts: list[bytes]) -> None:
+        if len(parts) != 2 or parts[0] != fr.PONG:
+            self._drop(f"unexpected heartbeat reply {parts[:1]!r}")
+            return
+        try:
+            fr.decode_ping(parts[1])
+        except fr.FrameError as exc:
+            self._drop(str(exc))
+            return
+        if w.link.alive:
+            w.link.last_pong = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._status.close()
+        for link in self._links.values():
+            link.sock.close()
+            link.monitor.close()
+        for region in self._regions:
+            self.engine.unregister(region)

@@ -1,0 +1,217 @@
+"""Control frames between decode ranks and a prefill (docs/MOONCAKE.md has the tables).
+
+Every decoder here checks types, lengths and ranges and raises ``FrameError`` (one
+line) before the caller touches any buffer; the caller logs and drops the frame.
+
+decode -> prefill (ZMQ DEALER -> ROUTER), multipart ``[kind, body]``:
+  HELLO  JSON: rank, session, status endpoint, KV pool and metadata field layout
+  XFER   ``<QHII`` room, rank, slot, n_pages + n_pages x ``<I`` page index
+  ABORT  ``<QH`` room, rank
+  PING   ``<HQ`` rank, sequence number
+prefill -> decode replies: HELLO_OK (JSON: prefill_rank, session), ERROR (text), PONG.
+prefill -> decode status (PUSH -> PULL), SGLang's three ASCII parts
+``[room, status, prefill_rank]`` with status Failed=0, Success=4 or FENCED=5.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+HELLO, HELLO_OK, XFER, ABORT, PING, PONG, ERROR = (
+    b"HELLO", b"HELLO_OK", b"XFER", b"ABORT", b"PING", b"PONG", b"ERROR")
+STATUS_FAILED, STATUS_SUCCESS, STATUS_FENCED = 0, 4, 5
+STATUS_VALUES = (STATUS_FAILED, STATUS_SUCCESS, STATUS_FENCED)
+
+MAX_JSON_BYTES = 16 * 1024
+MAX_PAGES = 1 << 16
+MAX_RANKS = 1 << 12
+MAX_FIELDS = 32
+_U64 = (1 << 64) - 1
+_XFER_HEAD = struct.Struct("<QHII")
+_ABORT = struct.Struct("<QH")
+_PING = struct.Struct("<HQ")
+
+
+class FrameError(ValueError):
+    """A malformed or out-of-range frame; ``str()`` is one line."""
+
+
+def _int(value: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FrameError(f"{what} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _str(value: Any, what: str, max_len: int = 256) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= max_len:
+        raise FrameError(f"{what} must be a non-empty string of at most {max_len} characters")
+    return value
+
+
+def _parts(frames: Sequence[bytes], n: int, what: str) -> Sequence[bytes]:
+    if len(frames) != n or not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
+        raise FrameError(f"{what}: expected {n} byte frames, got {len(frames)}")
+    return frames
+
+
+# -- HELLO: one decode rank's registration ---------------------------------------
+@dataclass(frozen=True)
+class FieldLayout:
+    """One registered metadata field: ``slots`` rows of ``item_bytes`` from ``addr``."""
+    name: str
+    addr: int
+    item_bytes: int
+    slots: int
+
+    def row_addr(self, slot: int) -> int:
+        return self.addr + slot * self.item_bytes
+
+
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+    session: str            # the decode rank's Mooncake session id (host:rpc_port)
+    status_endpoint: str    # where prefill pushes status frames (tcp://host:port)
+    kv_addr: int
+    page_bytes: int
+    pages: int
+    fields: tuple[FieldLayout, ...]
+    room_field: str = "bootstrap_room"
+
+    def encode(self) -> list[bytes]:
+        body = {"rank": self.rank, "session": self.session, "status": self.status_endpoint,
+                "kv": [self.kv_addr, self.page_bytes, self.pages], "room_field": self.room_field,
+                "fields": [[f.name, f.addr, f.item_bytes, f.slots] for f in self.fields]}
+        return [HELLO, json.dumps(body).encode()]
+
+    @property
+    def slots(self) -> int:
+        return self.fields[0].slots
+
+
+def _json(body: bytes, what: str) -> dict:
+    if len(body) > MAX_JSON_BYTES:
+        raise FrameError(f"{what}: body of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
+    try:
+        obj = json.loads(bytes(body).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise FrameError(f"{what}: body is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise FrameError(f"{what}: body must be a JSON object")
+    return obj
+
+
+def decode_hello(body: bytes) -> Hello:
+    obj = _json(body, "HELLO")
+    kv = obj.get("kv")
+    if not isinstance(kv, list) or len(kv) != 3:
+        raise FrameError("HELLO: kv must be [addr, page_bytes, pages]")
+    fields_raw = obj.get("fields")
+    if not isinstance(fields_raw, list) or not 0 < len(fields_raw) <= MAX_FIELDS:
+        raise FrameError(f"HELLO: fields must be a list of 1..{MAX_FIELDS} entries")
+    fields = []
+    for f in fields_raw:
+        if not isinstance(f, list) or len(f) != 4:
+            raise FrameError("HELLO: each field must be [name, addr, item_bytes, slots]")
+        fields.append(FieldLayout(_str(f[0], "HELLO field name", 64), _int(f[1], "field addr", 1, _U64),
+                                  _int(f[2], "field item_bytes", 1, 1 << 20),
+                                  _int(f[3], "field slots", 1, 1 << 24)))
+    if len({f.slots for f in fields}) != 1 or len({f.name for f in fields}) != len(fields):
+        raise FrameError("HELLO: fields must have distinct names and the same number of slots")
+    hello = Hello(_int(obj.get("rank"), "HELLO rank", 0, MAX_RANKS - 1),
+                  _str(obj.get("session"), "HELLO session"),
+                  _str(obj.get("status"), "HELLO status endpoint"),
+                  _int(kv[0], "kv addr", 1, _U64), _int(kv[1], "kv page_bytes", 1, 1 << 30),
+                  _int(kv[2], "kv pages", 1, 1 << 24), tuple(fields),
+                  _str(obj.get("room_field"), "HELLO room_field", 64))
+    if hello.room_field not in {f.name for f in fields}:
+        raise FrameError(f"HELLO: room field {hello.room_field!r} is not among the fields")
+    if not hello.status_endpoint.startswith("tcp://"):
+        raise FrameError("HELLO: status endpoint must be tcp://host:port")
+    return hello
+
+
+def encode_hello_ok(prefill_rank: int, session: str) -> list[bytes]:
+    return [HELLO_OK, json.dumps({"prefill_rank": prefill_rank, "session": session}).encode()]
+
+
+def decode_hello_ok(body: bytes) -> tuple[int, str]:
+    obj = _json(body, "HELLO_OK")
+    return (_int(obj.get("prefill_rank"), "HELLO_OK prefill_rank", 0, MAX_RANKS - 1),
+            _str(obj.get("session"), "HELLO_OK session"))
+
+
+# -- XFER / ABORT / PING ----------------------------------------------------------
+@dataclass(frozen=True)
+class Xfer:
+    room: int
+    rank: int
+    slot: int
+    pages: tuple[int, ...]
+
+    def encode(self) -> list[bytes]:
+        head = _XFER_HEAD.pack(self.room, self.rank, self.slot, len(self.pages))
+        return [XFER, head + struct.pack(f"<{len(self.pages)}I", *self.pages)]
+
+
+def decode_xfer(body: bytes) -> Xfer:
+    if len(body) < _XFER_HEAD.size:
+        raise FrameError(f"XFER: body of {len(body)} bytes is shorter than its {_XFER_HEAD.size}-byte header")
+    room, rank, slot, n = _XFER_HEAD.unpack_from(body)
+    if not 0 < n <= MAX_PAGES:
+        raise FrameError(f"XFER: page count {n} outside 1..{MAX_PAGES}")
+    if len(body) != _XFER_HEAD.size + 4 * n:
+        raise FrameError(f"XFER: body of {len(body)} bytes does not hold {n} page indices")
+    if room == 0:
+        raise FrameError("XFER: room 0 is reserved for an empty slot")
+    return Xfer(room, rank, slot, struct.unpack_from(f"<{n}I", body, _XFER_HEAD.size))
+
+
+def encode_abort(room: int, rank: int) -> list[bytes]:
+    return [ABORT, _ABORT.pack(room, rank)]
+
+
+def decode_abort(body: bytes) -> tuple[int, int]:
+    if len(body) != _ABORT.size:
+        raise FrameError(f"ABORT: body must be {_ABORT.size} bytes, got {len(body)}")
+    return _ABORT.unpack(body)
+
+
+def encode_ping(rank: int, seq: int, kind: bytes = PING) -> list[bytes]:
+    return [kind, _PING.pack(rank, seq)]
+
+
+def decode_ping(body: bytes) -> tuple[int, int]:
+    if len(body) != _PING.size:
+        raise FrameError(f"PING/PONG: body must be {_PING.size} bytes, got {len(body)}")
+    return _PING.unpack(body)
+
+
+# -- status: [room, status, prefill_rank] -----------------------------------------
+@dataclass(frozen=True)
+class Status:
+    room: int
+    status: int
+    prefill_rank: int
+
+    def encode(self) -> list[bytes]:
+        return [str(self.room).encode("ascii"), str(self.status).encode("ascii"),
+                str(self.prefill_rank).encode("ascii")]
+
+
+def _ascii_int(part: bytes, what: str, lo: int, hi: int) -> int:
+    raw = bytes(part)
+    if not 0 < len(raw) <= 20 or not raw.isdigit():
+        raise FrameError(f"status: {what} must be 1..20 ASCII digits, got {raw[:24]!r}")
+    return _int(int(raw), f"status {what}", lo, hi)
+
+
+def decode_status(frames: Sequence[bytes]) -> Status:
+    room_b, status_b, rank_b = _parts(frames, 3, "status")
+    status = _ascii_int(status_b, "status", 0, 9)
+    if status not in STATUS_VALUES:
+        raise FrameError(f"status: value {status} is not Failed(0), Success(4) or FENCED(5)")
+    return Status(_ascii_int(room_b, "room", 1, _U64), status,
+                  _ascii_int(rank_b, "prefill_rank", 0, MAX_RANKS - 1))

@@ -1,0 +1,131 @@
+"""The decode-side Mooncake KV receiver: one per request per rank.
+
+States Bootstrapping -> WaitingForInput -> Success | Failed, monotonic (max), Failed
+overrides, and latched once Success or Failed is visible (SGLang's receiver).
+
+Two views, so that a rank's scheduler sees the network only at step boundaries: the
+status and heartbeat threads ``deliver`` into a pending state, and the rank's own
+thread calls ``observe()`` once per step, which makes the pending state visible and
+returns what changed (the environment events a trace records). ``poll()`` returns
+only the visible state, so a step's poll never races the status thread.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from impl.mooncake.engine import MooncakeError
+
+BOOTSTRAPPING, WAITING, SUCCESS, FAILED = 1, 2, 4, 0
+_LATCHED = (SUCCESS, FAILED)
+
+
+class KVTransferFailed(MooncakeError):
+    """Why a receiver reports Failed (prefill said so, prefill died, bad bootstrap...)."""
+
+    def __init__(self, room: int, reason: str):
+        self.room = room
+        self.reason = reason
+        super().__init__(f"KV transfer of room {room} failed: {reason}")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What became visible at one ``observe()``: receiver result and/or fence."""
+    kv_done: bool = False
+    failed: bool = False
+    fenced: bool = False
+
+    def __bool__(self) -> bool:
+        return self.kv_done or self.failed or self.fenced
+
+
+class MooncakeKVReceiver:
+    """Implements impl.decode's KVReceiver protocol over the Mooncake transport."""
+
+    def __init__(self, room: int, rank: int, slot: int, pages: tuple[int, ...]):
+        self.room = room
+        self.rank = rank
+        self.slot = slot
+        self.pages = pages
+        self._lock = threading.Lock()
+        self._pending = BOOTSTRAPPING
+        self._visible = BOOTSTRAPPING
+        self._reason: str | None = None
+        self._pending_fence = False
+        self._fenced = False
+        self._landed = False
+        self._fence_taken = False
+        self.success_at: float | None = None   # monotonic time the Success status arrived
+
+    # -- called by the transport (any thread) --------------------------------------
+    def deliver(self, state: int, reason: str | None = None, at: float | None = None) -> bool:
+        """Advance the pending state; returns False if it was ignored (latched or backwards)."""
+        with self._lock:
+            if self._pending in _LATCHED:
+                return False
+            if state == FAILED:
+                self._pending, self._reason = FAILED, reason or "failed"
+                return True
+            if state <= self._pending:
+                return False
+            self._pending = state
+            if state == SUCCESS:
+                self.success_at = at
+            return True
+
+    def enter_queue(self) -> None:
+        """The request enters the transfer queue (its XFER sent, or its failure pending):
+        WaitingForInput is visible at once, being the rank's own action rather than news
+        from the network; a pending failure becomes visible at the next ``observe``."""
+        with self._lock:
+            if self._pending == BOOTSTRAPPING:
+                self._pending = WAITING
+            if self._visible == BOOTSTRAPPING:
+                self._visible = WAITING
+
+    def deliver_fence(self) -> None:
+        with self._lock:
+            self._pending_fence = True
+
+    # -- called by the rank's scheduler thread -----------------------------------------
+    def observe(self) -> Observed:
+        """Make pending changes visible (latched values never change again)."""
+        with self._lock:
+            before, fenced_before = self._visible, self._fenced
+            if before not in _LATCHED:
+                self._visible = self._pending
+            self._fenced = self._pending_fence
+            now = self._visible
+        changed = now != before
+        return Observed(kv_done=changed and now == SUCCESS, failed=changed and now == FAILED,
+                        fenced=self._fenced and not fenced_before)
+
+    def poll(self) -> int:
+        return self._visible
+
+    @property
+    def fenced(self) -> bool:
+        return self._fenced
+
+    def mark_landed(self) -> None:
+        """The rank's own thread saw the whole metadata row land: no write is pending."""
+        self._landed = True
+
+    def mark_fence_taken(self) -> None:
+        """The rank's own thread took the fence (after the request left the queue)."""
+        self._fence_taken = True
+
+    def writes_fenced(self) -> bool:
+        """impl.decode's optional hook: True once no write for this request can still
+        land in its slot (row landed, or prefill acknowledged the abort). Set only by the
+        rank's own thread, so the queue frees slots at the step boundary the trace records."""
+        return self._landed or self._fence_taken
+
+    def failure_exception(self) -> Exception | None:
+        if self._visible != FAILED:
+            return None
+        return KVTransferFailed(self.room, self._reason or "failed")
+
+    def clear(self) -> None:
+        """Called when the request leaves the queue; the transport forgets it separately."""

@@ -1,0 +1,210 @@
+"""The transport on real Mooncake engines (TCP on loopback), in one process."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from impl.decode import KVReceiver
+from impl.mooncake import frames as fr
+from impl.mooncake.engine import RegistrationError, TransferError, Write
+from impl.mooncake.receiver import FAILED, SUCCESS, WAITING
+from impl.mooncake.synth import kv_bytes, make_requests
+from tests.mooncake.conftest import PAGE_BYTES, SLOTS, DecodeRank
+
+
+def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def settle(receiver, timeout: float = 5.0) -> int:
+    """Observe until the receiver latches Success or Failed; returns the poll value."""
+    wait_for(lambda: (receiver.observe(), receiver.poll())[1] in (SUCCESS, FAILED),
+             timeout, f"room {receiver.room} to latch")
+    return receiver.poll()
+
+
+def test_engine_refuses_unregistered_local_range(engines):
+    pe, de = engines
+    dst = np.zeros(4096, np.uint8)
+    region = de.register("dst", dst.ctypes.data, dst.nbytes)
+    try:
+        src = np.ones(4096, np.uint8)      # never registered: Mooncake's TCP path would accept it
+        with pytest.raises(RegistrationError, match="not inside a registered region"):
+            pe.write(de.session_id, [Write(src.ctypes.data, dst.ctypes.data, 4096)])
+        assert not dst.any()
+        with pytest.raises(RegistrationError, match="overlaps"):
+            de.register("again", dst.ctypes.data + 8, 16)
+    finally:
+        de.unregister(region)
+
+
+def test_engine_turns_bad_remote_range_into_transfer_error(engines):
+    pe, de = engines
+    src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+    rs, rd = pe.register("src", src.ctypes.data, 4096), de.register("dst", dst.ctypes.data, 4096)
+    try:
+        pe.write(de.session_id, [Write(src.ctypes.data, dst.ctypes.data, 4096)])
+        assert dst.all()
+        with pytest.raises(TransferError, match="failed with code"):
+            pe.write(de.session_id, [Write(src.ctypes.data, dst.ctypes.data + 100, 4096)])
+    finally:
+        pe.unregister(rs)
+        de.unregister(rd)
+
+
+def test_requests_land_byte_exact_with_room_last(link):
+    server, rank, specs = link
+    started = []
+    for slot, spec in enumerate(specs[:4]):
+        pages = rank.pages(spec.n_pages)
+        started.append((spec, pages, rank.transport.start(spec.room, slot, pages, server.endpoint)))
+    for spec, pages, rec in started:
+        assert rec.poll() == WAITING or rec.poll() == SUCCESS
+        assert settle(rec) == SUCCESS
+        assert int(rank.room[rec.slot, 0]) == spec.room
+        assert int(rank.ids[rec.slot, 0]) == spec.first_token
+        assert np.array_equal(rank.pool[list(pages)], kv_bytes(spec, 0, PAGE_BYTES))
+    assert rank.transport.dropped == 0 and server.dropped == 0
+
+
+def test_receiver_is_monotonic_and_latched(link):
+    server, rank, specs = link
+    rec = rank.transport.start(specs[0].room, 0, rank.pages(specs[0].n_pages), server.endpoint)
+    assert isinstance(rec, KVReceiver)
+    assert settle(rec) == SUCCESS
+    assert not rec.deliver(FAILED, "late failure")      # latched: ignored
+    assert not rec.deliver(WAITING)
+    rec.observe()
+    assert rec.poll() == SUCCESS and rec.failure_exception() is None
+
+
+HOSTILE_STATUS = [
+    [b"garbage"],
+    [b"1", b"4"],
+    [b"12x", b"4", b"0"],
+    [b"1" * 40, b"4", b"0"],
+    [b"0", b"4", b"0"],
+    [b"99", b"4", b"0"],                  # unknown room
+    [b"5", b"3", b"0"],                   # Transferring: not a status a prefill sends
+    [b"-1", b"4", b"0"],
+    [b"\xff\xfe", b"4", b"0"],
+]
+
+
+def test_hostile_status_frames_are_dropped_and_the_thread_survives(link, caplog):
+    server, rank, specs = link
+    spec = specs[1]
+    # Hold Success back so the hostile frames race a live request.
+    server.faults.stall_s = 0.3
+    rec = rank.transport.start(spec.room, 1, rank.pages(spec.n_pages), server.endpoint)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(rank.transport.status_endpoint)
+    frames_ = HOSTILE_STATUS + [[str(spec.room).encode(), b"0", b"3"]]   # wrong prefill rank
+    for f in frames_:
+        push.send_multipart(f)
+    wait_for(lambda: rank.transport.dropped >= len(frames_), what="frames to be dropped")
+    push.close()
+    assert rank.transport.dropped == len(frames_)
+    assert sum("dropped control frame" in r.getMessage() for r in caplog.records) == len(frames_)
+    assert settle(rec) == SUCCESS, rec.failure_exception()
+    assert int(rank.room[1, 0]) == spec.room
+
+
+def test_hostile_prefill_frames_are_dropped_and_nothing_is_written(link):
+    server, rank, specs = link
+    rank.transport.connect(server.endpoint)
+    spec = specs[2]
+    dealer = zmq.Context.instance().socket(zmq.DEALER)      # never said HELLO
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.endpoint)
+    hostile = [
+        [fr.XFER, b"\x00" * 5],
+        [fr.XFER, fr.Xfer(spec.room, 0, 0, (1, 2)).encode()[1]],           # rank 0 not this peer
+        [fr.HELLO, b"{not json"],
+        [fr.HELLO, b'{"rank": 0}'],
+        [fr.ABORT, b"\x01"],
+        [b"SHUTDOWN", b""],
+        [fr.PING, b"\x00" * 3],
+    ]
+    for f in hostile:
+        dealer.send_multipart(f)
+    sock = rank.transport._links[server.endpoint].sock
+    sock.send_multipart(fr.Xfer(12345, 0, 0, (0,)).encode())                # unknown room
+    sock.send_multipart(fr.Xfer(spec.room, 0, SLOTS + 3, tuple(range(spec.n_pages))).encode())
+    sock.send_multipart(fr.Xfer(spec.room, 0, 0, (10**6,) * spec.n_pages).encode())
+    wait_for(lambda: server.dropped >= len(hostile) + 3, what="prefill to drop the frames")
+    dealer.close()
+    assert not rank.pool.any() and not rank.room.any()
+    assert server.kv_bytes_written == 0
+    good = specs[3]
+    rec = rank.transport.start(good.room, 2, rank.pages(good.n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS
+
+
+def test_start_checks_indices_before_sending(link):
+    server, rank, specs = link
+    with pytest.raises(ValueError, match="slot"):
+        rank.transport.start(specs[0].room, SLOTS, (0,), server.endpoint)
+    with pytest.raises(ValueError, match="page indices"):
+        rank.transport.start(specs[0].room, 0, (10**6,), server.endpoint)
+    with pytest.raises(ValueError, match="room"):
+        rank.transport.start(0, 0, (0,), server.endpoint)
+    assert server.kv_bytes_written == 0
+
+
+def test_abort_is_fenced_by_the_prefill(link):
+    server, rank, specs = link
+    server.faults.drop_metadata.add(0)
+    spec = specs[4]
+    rec = rank.transport.start(spec.room, 3, rank.pages(spec.n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS and int(rank.room[3, 0]) == 0      # Success, no row
+    rank.transport.abort(spec.room)
+    wait_for(lambda: rec.observe().fenced or rec.fenced, what="FENCED")
+
+
+def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
+    pe, de = engines
+    from impl.mooncake.prefill import Faults, PrefillServer
+    specs = make_requests(2, seed=9, min_pages=2, max_pages=2)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=1.0))
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4, fence_grace_s=0.2, timeout_s=0.5)
+    try:
+        rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
+        server._stop.set()                     # the router stops answering heartbeats
+        assert settle(rec) == FAILED
+        assert "heartbeats" in str(rec.failure_exception())
+        wait_for(lambda: rec.observe().fenced or rec.fenced, what="fence after the grace period")
+        late = rank.transport.start(specs[1].room, 1, rank.pages(2), server.endpoint)
+        assert late.poll() == WAITING             # enters the queue like any request...
+        assert settle(late) == FAILED             # ...and fails at the next observation
+    finally:
+        rank.transport.close()
+        server.close(close_engine=False)
+
+
+def test_closed_prefill_connection_fails_requests_at_once(engines):
+    pe, de = engines
+    from impl.mooncake.prefill import Faults, PrefillServer
+    specs = make_requests(1, seed=10, min_pages=2, max_pages=2)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=0.5))
+    # heartbeats alone would take 100 s here: only the closed connection can fail it
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=2000, fence_grace_s=60)
+    try:
+        rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
+        time.sleep(0.2)                        # the heartbeat socket is connected by now
+        server._stop.set()                     # mid-stall: the router thread stops...
+        time.sleep(0.15)
+        server._router.close()                 # ...and its socket closes, as when killed
+        assert settle(rec, timeout=5) == FAILED
+        assert "closed its connection" in str(rec.failure_exception())
+    finally:
+        rank.transport.close()
+        server.close(close_engine=False)
