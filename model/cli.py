@@ -28,7 +28,16 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         description="Formal model, simulator and implementation of the metadata gate that keeps "
                     "the TP ranks of a disaggregated decode worker in agreement.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.error = _one_line_error("pdgate")
     return parser, sub
+
+
+def _one_line_error(prog: str):
+    """argparse's error(), as one line naming the problem, exit status 2."""
+    def error(message: str):
+        print(f"{prog}: {message} (see {prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+    return error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     module = None
     for name, (mod_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.error = _one_line_error(f"pdgate {name}")
         if name == chosen:
             try:
                 module = importlib.import_module(mod_name)

@@ -34,7 +34,7 @@ class SimConfig:
     ranks: int = 8
     request_pool: int = 64                 # max running + transferring requests
     slots: int | None = None               # metadata slots per rank; SGLang: 2 x request pool
-    timeout_steps: int | None = None       # strict's bound (None: the spec's default)
+    timeout_steps: int | None = None       # strict's bound (None: engine.DEFAULT_TIMEOUT_STEPS)
     no_clear: bool = False                 # reuse slots without zeroing the room (any variant)
     seed: int = 0
     # decode scheduler step: all-reduce (alpha + beta * n) then a forward pass

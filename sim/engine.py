@@ -43,6 +43,12 @@ FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
 
 
+# strict's bound when --timeout-steps is not given. The spec's own default (4 steps) sizes
+# the proofs' small models; a simulated worker steps every 1-25 ms, so 4 steps would abort
+# healthy requests whose KV transfer outlasts a few idle steps. 1,000 steps is 1-25 s.
+DEFAULT_TIMEOUT_STEPS = 1000
+
+
 def resolve_variant(cfg: SimConfig) -> Variant:
     """The spec variant by name, with the timeout and no-clear overrides applied."""
     base = VARIANTS.get(cfg.variant)
@@ -51,7 +57,10 @@ def resolve_variant(cfg: SimConfig) -> Variant:
     if cfg.timeout_steps is not None and base.timeout_steps is None:
         raise SimInputError(f"--timeout-steps: variant {cfg.variant!r} has no timeout "
                             f"(only {', '.join(n for n, v in VARIANTS.items() if v.timeout_steps)})")
-    v = get_variant(cfg.variant, cfg.timeout_steps)
+    steps = cfg.timeout_steps
+    if steps is None and base.timeout_steps is not None:
+        steps = DEFAULT_TIMEOUT_STEPS
+    v = get_variant(cfg.variant, steps)
     return replace(v, clear_on_free=False) if cfg.no_clear else v
 
 

@@ -88,7 +88,7 @@ def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
     c.add_argument("--request-pool", type=positive_int, default=64,
                    help="max requests transferring or running")
     c.add_argument("--slots", type=positive_int, help="metadata slots per rank (default 2 x pool)")
-    c.add_argument("--timeout-steps", type=positive_int, help="strict's timeout in protocol steps")
+    c.add_argument("--timeout-steps", type=positive_int, help="strict's timeout in protocol steps (default 1000)")
     f = p.add_argument_group("faults")
     f.add_argument("--fail-prob", type=probability, default=0.0,
                    help="per request: one rank's transfer fails")

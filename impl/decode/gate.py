@@ -17,13 +17,15 @@ import torch
 from impl.decode.errors import BadPollValue, RoomOutOfRange, SlotOutOfRange
 from model.spec.kernel import Decision, Ops, gated_poll, pop_decision
 from model.spec.kvpoll import KVPoll
-from model.spec.variants import Variant, get_variant
+from model.spec.variants import ABLATIONS, VARIANTS, Variant, get_variant
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
 POLL_SET = frozenset(int(p) for p in KVPoll)
 _MAX_POLL = max(POLL_SET)
-GATED_VARIANTS = ("gate", "strict")
-SUPPORTED_VARIANTS = ("ungated", *GATED_VARIANTS)
+# The queue reads only the Variant's fields, so it runs every variant of the spec: the
+# deployable ones (gate, strict) and, for conformance replays, SGLang's history and
+# strict's ablations.
+SUPPORTED_VARIANTS = (*VARIANTS, *ABLATIONS)
 
 
 def _is_py_bool(x: Any) -> bool:

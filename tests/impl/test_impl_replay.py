@@ -53,7 +53,6 @@ def test_cli_reports_the_ungated_divergence_in_one_line(tmp_path, capsys):
     ("not json\n", None, "malformed JSON"),
     ("", None, "empty trace"),
     (divergence(2), 3, "trace has 2 ranks, replay asked for 3"),
-    (divergence(2).replace("ungated", "gate-noclear"), None, "runs the variants"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, content, ranks, message):
     trace = tmp_path / "t.jsonl"
