@@ -25,7 +25,8 @@ from impl.ranks import RanksFailed, run_ranks
 from impl.scripted import RankHarness
 from model.spec.events import Event, Step
 from model.spec.machine import RankStep, StepRecord
-from model.spec.trace import Header, TraceFormatError, TraceWriter, parse_header, parse_record, read_records
+from model.spec.trace import (Header, TraceInputError, TraceWriter, open_records, parse_record,
+                              read_trace_file)
 from model.spec.validate import ValidationResult, validate
 
 
@@ -52,11 +53,7 @@ class ReplayResult:
 
 def load_script(lines: Sequence[str]) -> Script:
     """Parse a trace (raises TraceFormatError); violation claims are not driven."""
-    records = read_records(lines)
-    first = next(records, None)
-    if first is None:
-        raise TraceFormatError(1, "empty trace (no header)")
-    header = parse_header(first[1], first[0])
+    header, _, records = open_records(lines)
     events: list[Event] = []
     for line, obj in records:
         rec = parse_record(obj, line, header)
@@ -163,16 +160,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     name = "pdgate replay"
     try:
-        with open(args.trace, encoding="utf-8") as fp:
-            script = load_script(fp.readlines())
-    except OSError as exc:
-        print(f"{name}: cannot read {args.trace}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"{name}: {args.trace} is not UTF-8 text", file=sys.stderr)
-        return 2
-    except TraceFormatError as exc:
-        print(f"{name}: {args.trace}: {exc}", file=sys.stderr)
+        script = read_trace_file(args.trace, lambda fp: load_script(fp.readlines()))
+    except TraceInputError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     ranks = args.ranks if args.ranks is not None else script.header.ranks
     if args.collective_timeout <= 0 or args.deadline <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
 
 from model.spec.events import FIELDS, Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
@@ -183,6 +183,36 @@ def parse_record(obj: Any, line: int, header: Header) -> Event | StepRecord | Vi
                          _int_list(obj, "ranks", line, "violation"),
                          _int_list(obj, "reqs", line, "violation"))
     return _int(obj, "steps", line)
+
+
+def open_records(lines: Iterable[str]) -> tuple[Header, int, Iterator[tuple[int, Any]]]:
+    """The header, its line number, and the (line, JSON) records after it."""
+    records = read_records(lines)
+    first = next(records, None)
+    if first is None:
+        raise TraceFormatError(1, "empty trace (no header)")
+    return parse_header(first[1], first[0]), first[0], records
+
+
+T = TypeVar("T")
+
+
+def read_trace_file(path: str, parse: Callable[[IO[str]], T]) -> T:
+    """``parse`` the trace file at ``path``. Unreadable, non-UTF-8 or malformed input
+    raises ``TraceInputError`` whose ``str()`` is one line."""
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return parse(fp)
+    except OSError as exc:
+        raise TraceInputError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceInputError(f"{path} is not UTF-8 text") from None
+    except TraceFormatError as exc:
+        raise TraceInputError(f"{path}: {exc}") from None
+
+
+class TraceInputError(ValueError):
+    """A trace file that cannot be used (unreadable, not text, malformed): one line."""
 
 
 def read_records(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:

@@ -15,8 +15,8 @@ from model.spec.invariants import INVARIANTS, Violation, bounded_wait, check_inv
 from model.spec.kernel import Decision
 from model.spec.machine import EventNotEnabled, StepRecord, apply
 from model.spec.state import SystemState, initial_state
-from model.spec.trace import (TraceFormatError, _int, event_record, parse_header, parse_record,
-                              read_records)
+from model.spec.trace import (TraceFormatError, TraceInputError, _int, event_record,
+                              open_records, parse_record, read_trace_file)
 from model.spec.variants import VARIANTS, get_variant
 
 
@@ -47,17 +47,12 @@ def _diff_step(want: StepRecord, got: StepRecord) -> str | None:
 
 def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResult:
     """Replay ``lines``; raises TraceFormatError on malformed input."""
-    records = read_records(lines)
-    first = next(records, None)
-    if first is None:
-        raise TraceFormatError(1, "empty trace (no header)")
-    header = parse_header(first[1], first[0])
+    header, last_line, records = open_records(lines)
     name = variant or header.variant
     v = get_variant(name, header.timeout_steps if get_variant(name).timeout_steps else None)
     state = initial_state(v, header.ranks, header.slots)
     first_violation = None
     claims: list[Violation] = []
-    last_line = first[0]
 
     def fail(line: int, msg: str, at: int | None = None) -> ValidationResult:
         at = state.steps if at is None else at
@@ -120,16 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        with open(args.trace, encoding="utf-8") as fp:
-            result = validate(fp, args.variant)
-    except OSError as exc:
-        print(f"pdgate validate: cannot read {args.trace}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError:
-        print(f"pdgate validate: {args.trace} is not UTF-8 text", file=sys.stderr)
-        return 2
-    except TraceFormatError as exc:
-        print(f"pdgate validate: {args.trace}: {exc}", file=sys.stderr)
+        result = read_trace_file(args.trace, lambda fp: validate(fp, args.variant))
+    except TraceInputError as exc:
+        print(f"pdgate validate: {exc}", file=sys.stderr)
         return 2
     print(result.message)
     if result.first_violation:
