@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
-python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[test,mooncake-cpu]'
+python -m pip install -q --root-user-action=ignore torch==2.13.0
+python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
