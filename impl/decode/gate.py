@@ -17,15 +17,11 @@ import torch
 from impl.decode.errors import BadPollValue, RoomOutOfRange, SlotOutOfRange
 from model.spec.kernel import Decision, Ops, gated_poll, pop_decision
 from model.spec.kvpoll import KVPoll
-from model.spec.variants import ABLATIONS, VARIANTS, Variant, get_variant
+from model.spec.variants import Variant, get_variant
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
 POLL_SET = frozenset(int(p) for p in KVPoll)
 _MAX_POLL = max(POLL_SET)
-# The queue reads only the Variant's fields, so it runs every variant of the spec: the
-# deployable ones (gate, strict) and, for conformance replays, SGLang's history and
-# strict's ablations.
-SUPPORTED_VARIANTS = (*VARIANTS, *ABLATIONS)
 
 
 def _is_py_bool(x: Any) -> bool:
@@ -85,12 +81,12 @@ def _run(kernel: Callable[..., Any], backend: str, args: tuple) -> Any:
 
 
 def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
-    """A supported variant by name (or as given), with strict's timeout overridden."""
-    v = variant if isinstance(variant, Variant) else get_variant(variant, timeout_steps)
-    if v.name not in SUPPORTED_VARIANTS:
-        raise ValueError(f"impl.decode supports the variants {', '.join(SUPPORTED_VARIANTS)}, "
-                         f"not {v.name!r}")
-    return v
+    """A spec variant by name (or as given), with strict's timeout overridden.
+
+    The queue reads only the Variant's fields, so it runs every variant of the spec: the
+    deployable ones (gate, strict) and, for conformance replays, SGLang's history and
+    strict's ablations. Unknown names raise ValueError."""
+    return variant if isinstance(variant, Variant) else get_variant(variant, timeout_steps)
 
 
 def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,

@@ -96,9 +96,9 @@ def test_slot_out_of_range_and_bad_room_are_refused():
     assert polls == [4]
 
 
-def test_unsupported_variant_is_refused():
-    with pytest.raises(ValueError, match="supports the variants"):
-        apply_metadata_gate([], [], MetadataBuffers(1), "gate-noclear")
+def test_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="unknown variant 'gated'"):
+        apply_metadata_gate([], [], MetadataBuffers(1), "gated")
 
 
 @settings(max_examples=200, deadline=None)
