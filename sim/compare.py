@@ -53,8 +53,10 @@ def ttft_cost(runs: list[RunData], bases: list[RunData]) -> dict[str, Any]:
         return {"mean_ms": None, "ci95_ms": None, "pairs": 0, "method": method}
     m, lo, hi = mean_ci(per_rep)
     ci = None if math.isnan(lo) else [round(lo, 6), round(hi, 6)]
+    # replications that had pairs at all (a baseline that diverged at once has none)
+    used = len(per_rep) if len(runs) >= 2 else 1
     return {"mean_ms": round(m, 6), "ci95_ms": ci, "pairs": pairs, "method": method,
-            "replications": len(runs)}
+            "replications": used, "replications_run": len(runs)}
 
 
 def cost_line(name: str, base: str, cost: dict[str, Any]) -> str:
@@ -62,6 +64,6 @@ def cost_line(name: str, base: str, cost: dict[str, Any]) -> str:
         return f"TTFT cost of {name} vs {base}: no request committed in both runs"
     ci = cost["ci95_ms"]
     ci_text = f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}] ms" if ci else "no CI (one sample)"
+    reps = f"{cost['replications']} of {cost['replications_run']} replication(s) with pairs"
     return (f"TTFT cost of {name} vs {base}: {cost['mean_ms']:+.3f} ms per request, {ci_text} "
-            f"({cost['pairs']} paired requests, {cost['replications']} replication(s), "
-            f"{cost['method']})")
+            f"({cost['pairs']} paired requests, {reps}, {cost['method']})")
