@@ -27,7 +27,7 @@ from simpy.events import URGENT, Event
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import EventNotEnabled, StepRecord, apply, forget
+from model.spec.machine import EventNotEnabled, StepPops, StepRecord, apply, forget
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -211,32 +211,36 @@ class Simulation:
             self._enqueue(self.prealloc.popleft())
 
     def _shift_stalls(self, k: int, t: float) -> float:
+        """``t`` moved past any stall of rank ``k`` that covers it."""
         for s in self.cfg.stalls:
             if s.rank == k and s.start_ms <= t < s.start_ms + s.duration_ms:
                 t = s.start_ms + s.duration_ms
         return t
 
     def _enqueue(self, i: int) -> None:
-        d, now, T = self.d, self.env.now, self.T
+        d, now, T, rtt = self.d, self.env.now, self.T, self.room_rtt
         self._env_event(Enqueue(i, d.room[i], d.payload[i]))
         self.in_pool += 1
         fr = int(d.fail_rank[i])
         extra = float(d.late_ms[i]) if fr >= 0 else 0.0
+        xfer, lag, lost = d.xfer_ms[i].tolist(), d.lag_ms[i].tolist(), d.lost[i].tolist()
+        write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
         for k in range(T):
-            kv = self._shift_stalls(k, now + float(d.xfer_ms[i, k]))
+            kv = self._shift_stalls(k, now + xfer[k])
             kv_all = max(kv_all, kv)
             events.append((kv, (FAIL if k == fr else KV) * T + k))
-            if k == fr or d.lost[i, k]:
+            if k == fr or lost[k]:
                 continue
-            land = self._shift_stalls(k, kv + float(d.lag_ms[i, k]) + extra)
+            land = self._shift_stalls(k, kv + lag[k] + extra)
             events.append((land, PAY * T + k))
-            events.append((land + self.room_rtt, ROOMF * T + k))
-            self.write_end[i, k] = land + self.room_rtt
+            events.append((land + rtt, ROOMF * T + k))
+            write_end[k] = land + rtt
             if self.record:
                 self.spans.append(("kv", k, i, now, kv))
-                self.spans.append(("lag", k, i, kv, land + self.room_rtt))
+                self.spans.append(("lag", k, i, kv, land + rtt))
+        self.write_end[i] = write_end
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
@@ -247,22 +251,22 @@ class Simulation:
             self.wake.succeed()
 
     def _timeline(self, tl: _Timeline) -> None:
-        now, T, i = self.env.now, self.T, tl.req
-        times, codes = tl.times, tl.codes
-        target = times[tl.pos]      # exact, where now may differ from it in the last bit
+        """Deliver the timeline's events due at its next time (one batch, one SimPy event)."""
+        now, T, i, ranks = self.env.now, self.T, tl.req, self.state.ranks
+        times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
+        target = times[pos]      # exact, where now may differ from it in the last bit
         while True:
-            kind, k = divmod(codes[tl.pos], T)
-            tl.pos += 1
-            rs = self.state.ranks[k]
-            if kind == KV or kind == FAIL:
-                if i in rs.recv:        # else the request already left: its KV is moot
-                    self._env_event(KvDone(k, i) if kind == KV else Fail(k, i))
-            else:
+            kind, k = divmod(codes[pos], T)
+            pos += 1
+            if kind >= PAY:
                 self._env_event(Land(k, i, PAYLOAD if kind == PAY else ROOM))
-            if tl.pos == len(times) or times[tl.pos] > target:
+            elif i in ranks[k].recv:        # else the request already left: its KV is moot
+                self._env_event(KvDone(k, i) if kind == KV else Fail(k, i))
+            if pos == end or times[pos] > target:
                 break
-        if tl.pos < len(times):
-            _At(self.env, times[tl.pos] - now, self._timeline, tl)
+        tl.pos = pos
+        if pos < end:
+            _At(self.env, times[pos] - now, self._timeline, tl)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
@@ -292,6 +296,7 @@ class Simulation:
         env, state, cfg = self.env, self.state, self.cfg
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
+        detail = self.trace is not None      # the trace needs the full StepRecord
         while self.decided < n:
             if not ranks[0].queue and not self.running:
                 if self.pending == 0:      # nothing can arrive or land any more
@@ -304,7 +309,7 @@ class Simulation:
             queued = len(ranks[0].queue)
             if queued:
                 s = env.now
-                rec = apply(state, _STEP)
+                rec = apply(state, _STEP, detail=detail)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
@@ -329,9 +334,10 @@ class Simulation:
             self._admit()
             yield env.timeout(self.forward.next() if self.running else self.idle.next())
 
-    def _record_pops(self, rec: StepRecord) -> int:
+    def _record_pops(self, rec: StepRecord | StepPops) -> int:
         now, d = self.env.now, self.d
-        for r, dec, _ in rec.ranks[0].popped:
+        popped = rec.popped
+        for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
             if dec == _COMMIT:
@@ -342,16 +348,16 @@ class Simulation:
                 self.finished += 1
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend(r for r, _, _ in rec.ranks[0].popped)
+        self.to_forget.extend(r for r, _, _ in popped[0])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
-        for k, rank_step in enumerate(rec.ranks):
+        for k, rank_popped in enumerate(popped):
             rs = self.state.ranks[k]
-            for r, dec, _ in rank_step.popped:
+            for r, dec, _ in rank_popped:
                 if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
                     self.pending += 1
                     _At(self.env, float(d.fence_ms[r, k]), self._fence, (k, r))
-        return len(rec.ranks[0].popped)
+        return len(popped[0])
 
     def _forget_done(self) -> None:
         """Let the spec drop decided requests no write can reach any more, so memory
