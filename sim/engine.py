@@ -163,14 +163,17 @@ class Simulation:
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
 
     # -- environment events ------------------------------------------------------------
-    def _env_event(self, ev: Any) -> None:
+    def _env_events(self, events: list[Any]) -> None:
+        state = self.state
         try:
-            apply(self.state, ev)
+            for ev in events:
+                apply(state, ev)
         except EventNotEnabled as exc:      # the driver broke its own physics: a bug
             raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
-        self.since_poll += 1
+        self.since_poll += len(events)
         if self.trace is not None:
-            self.trace.event(ev, self.env.now)
+            for ev in events:
+                self.trace.event(ev, self.env.now)
 
     def _arrivals(self):
         env, wl = self.env, self.wl
@@ -219,7 +222,7 @@ class Simulation:
 
     def _enqueue(self, i: int) -> None:
         d, now, T, rtt = self.d, self.env.now, self.T, self.room_rtt
-        self._env_event(Enqueue(i, d.room[i], d.payload[i]))
+        self._env_events([Enqueue(i, d.room[i], d.payload[i])])
         self.in_pool += 1
         fr = int(d.fail_rank[i])
         extra = float(d.late_ms[i]) if fr >= 0 else 0.0
@@ -255,15 +258,17 @@ class Simulation:
         now, T, i, ranks = self.env.now, self.T, tl.req, self.state.ranks
         times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
         target = times[pos]      # exact, where now may differ from it in the last bit
+        batch: list[Any] = []
         while True:
             kind, k = divmod(codes[pos], T)
             pos += 1
             if kind >= PAY:
-                self._env_event(Land(k, i, PAYLOAD if kind == PAY else ROOM))
-            elif i in ranks[k].recv:        # else the request already left: its KV is moot
-                self._env_event(KvDone(k, i) if kind == KV else Fail(k, i))
+                batch.append(Land(k, i, PAYLOAD if kind == PAY else ROOM))
+            elif i in ranks[k].recv:   # else the request already left: its KV is moot
+                batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
             if pos == end or times[pos] > target:
                 break
+        self._env_events(batch)     # env events never pop: the checks above stay valid
         tl.pos = pos
         if pos < end:
             _At(self.env, times[pos] - now, self._timeline, tl)
@@ -280,7 +285,7 @@ class Simulation:
                 # prefill acknowledges only once its writes are done: wait for them
                 _At(self.env, self.write_end[i, k] - now, self._fence, key)
                 return
-            self._env_event(Fence(k, i))
+            self._env_events([Fence(k, i)])
             self._admit()       # the fence may have freed a quarantined slot
         self._settle()
 
