@@ -65,14 +65,16 @@ def _rank(state: SystemState, rank: int) -> RankState:
     return ranks[rank]
 
 
-def _check_receiver_event(state: SystemState, rank: int, req: int, what: str) -> RankState:
-    rs = _rank(state, rank)
-    if req not in rs.recv:
-        raise EventNotEnabled(f"{what}: request {req} is not in rank {rank}'s transfer queue")
-    if rs.recv[req] in _LATCHED:
-        raise EventNotEnabled(f"{what}: request {req} on rank {rank} already latched "
-                              f"{KVPoll(rs.recv[req]).name}")
-    return rs
+def _latch(state: SystemState, ev: KvDone | Fail, value: int, what: str) -> None:
+    """The receiver of ``ev.req`` on ``ev.rank`` reports ``value`` (once: it latches)."""
+    recv, req = _rank(state, ev.rank).recv, ev.req
+    current = recv.get(req)
+    if current is None:
+        raise EventNotEnabled(f"{what}: request {req} is not in rank {ev.rank}'s transfer queue")
+    if current in _LATCHED:
+        raise EventNotEnabled(f"{what}: request {req} on rank {ev.rank} already latched "
+                              f"{KVPoll(current).name}")
+    recv[req] = value
 
 
 def _free_slot(state: SystemState, rs: RankState, req: int) -> None:
@@ -129,14 +131,14 @@ def _land(state: SystemState, ev: Land) -> None:
     bit = _FIELD_BIT.get(ev.field)
     if bit is None:
         raise EventNotEnabled(f"land: unknown field {ev.field!r} (room or payload)")
-    if ev.req not in rs.landed:
+    landed = rs.landed.get(ev.req)
+    if landed is None:
         raise EventNotEnabled(f"land: request {ev.req} has no write in flight to rank {ev.rank}")
-    if rs.landed[ev.req] & bit:
+    if landed & bit:
         raise EventNotEnabled(f"land: {ev.field} of request {ev.req} already landed on rank {ev.rank}")
     if ev.req in rs.fenced:
         raise EventNotEnabled(f"land: request {ev.req} is fenced on rank {ev.rank}")
-    if (state.variant.room_after_payload and bit == ROOM_BIT
-            and not rs.landed[ev.req] & PAYLOAD_BIT):
+    if state.variant.room_after_payload and bit == ROOM_BIT and not landed & PAYLOAD_BIT:
         raise EventNotEnabled(f"land: room of request {ev.req} before its payload on rank "
                               f"{ev.rank} (variant writes the room after the payload completed)")
     req = state.requests[ev.req]
@@ -145,7 +147,7 @@ def _land(state: SystemState, ev: Land) -> None:
         rs.room_at[slot] = req.room
     else:
         rs.payload_at[slot] = req.payload
-    rs.landed[ev.req] |= bit
+    rs.landed[ev.req] = landed | bit
     _writes_done(state, rs, ev.req)
 
 
@@ -165,40 +167,44 @@ def _tables(v: Variant) -> tuple[tuple, tuple, tuple]:
     return gate_table(v), pop_table(v), keep_regardless(v)
 
 
-def _gated(state: SystemState, rs: RankState, local: list[int], gate: tuple) -> list[int]:
-    """This rank's MIN contributions: gated_poll of every queued request (kernel table)."""
-    requests, room_at, slot_of = state.requests, rs.room_at, rs.slot_of
+def _polls(state: SystemState, rs: RankState, gate: tuple) -> tuple[list[int], list[int]]:
+    """This rank's receiver polls and its MIN contributions (gated_poll via the kernel
+    table) for every queued request. One loop: queues are short, and a loop is cheaper
+    than two comprehensions."""
+    requests, recv, room_at, slot_of = state.requests, rs.recv, rs.room_at, rs.slot_of
     timeout = state.variant.timeout_steps
-    if timeout is None:
-        return [gate[p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)]
-                for p, r in zip(local, rs.queue)]
-    age = rs.age
-    return [gate[p * 16 + 8 * (age[r] >= timeout)
-                 + compare_index(room_at[slot_of[r]], requests[r].room)]
-            for p, r in zip(local, rs.queue)]
+    local, gated = [], []
+    for r in rs.queue:
+        p = recv[r]
+        i = p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)
+        if timeout is not None and rs.age[r] >= timeout:
+            i += 8
+        local.append(p)
+        gated.append(gate[i])
+    return local, gated
 
 
 def _pop(state: SystemState, rs: RankState, reduced: list[int], pop: tuple | None
          ) -> tuple[tuple[int, int, int], ...]:
     """Apply the MIN on one rank: pop decisions (``pop`` is None when every reduced value
     keeps regardless of the rooms), ages of the kept, outcomes and slot release."""
-    popped: list[tuple[int, int, int]] = []
-    if pop is None:
-        kept = rs.queue
-    else:
-        kept, requests = [], state.requests
-        for red, r in zip(reduced, rs.queue):
-            slot = rs.slot_of[r]
-            d = pop[red * 8 + compare_index(rs.room_at[slot], requests[r].room)]
-            if d is Decision.KEEP:
-                kept.append(r)
-                continue
-            payload = rs.payload_at[slot] if d is Decision.COMMIT else 0
-            popped.append((r, int(d), payload))
-        rs.queue = kept          # a new list: the one before the step stays intact
     age = rs.age
-    for r in kept:
-        age[r] += 1
+    if pop is None:
+        for r in rs.queue:
+            age[r] += 1
+        return ()
+    kept: list[int] = []
+    popped: list[tuple[int, int, int]] = []
+    requests, room_at, slot_of = state.requests, rs.room_at, rs.slot_of
+    for red, r in zip(reduced, rs.queue):
+        slot = slot_of[r]
+        d = pop[red * 8 + compare_index(room_at[slot], requests[r].room)]
+        if d is Decision.KEEP:
+            kept.append(r)
+            age[r] += 1
+            continue
+        popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
+    rs.queue = kept          # a new list: the one before the step stays intact
     for r, d, payload in popped:
         del rs.recv[r], age[r]
         rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
@@ -211,8 +217,7 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
     gate, pop, keeps = _tables(state.variant)
     ranks = state.ranks
     queues = [rs.queue for rs in ranks]          # before the step (_pop replaces, never edits)
-    locals_ = [[rs.recv[r] for r in rs.queue] for rs in ranks]
-    gateds = [_gated(state, rs, local, gate) for rs, local in zip(ranks, locals_)]
+    locals_, gateds = zip(*[_polls(state, rs, gate) for rs in ranks])
     try:
         reduced = min_reduce(gateds)
     except CollectiveMismatch as exc:
@@ -240,7 +245,7 @@ def _receiver(poll: KVPoll, what: str) -> Callable[[SystemState, Any], None]:
     value = int(poll)
 
     def handle(state: SystemState, ev: KvDone | Fail) -> None:
-        _check_receiver_event(state, ev.rank, ev.req, what).recv[ev.req] = value
+        _latch(state, ev, value, what)
     return handle
 
 
