@@ -230,13 +230,19 @@ class Simulation:
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
+        stalls = self.cfg.stalls
         for k in range(T):
-            kv = self._shift_stalls(k, now + xfer[k])
-            kv_all = max(kv_all, kv)
+            kv = now + xfer[k]
+            if stalls:
+                kv = self._shift_stalls(k, kv)
+            if kv > kv_all:
+                kv_all = kv
             events.append((kv, (FAIL if k == fr else KV) * T + k))
             if k == fr or lost[k]:
                 continue
-            land = self._shift_stalls(k, kv + lag[k] + extra)
+            land = kv + lag[k] + extra
+            if stalls:
+                land = self._shift_stalls(k, land)
             events.append((land, PAY * T + k))
             events.append((land + rtt, ROOMF * T + k))
             write_end[k] = land + rtt
