@@ -14,22 +14,21 @@ from __future__ import annotations
 
 from model.spec.invariants import Violation, check_invariants
 from model.spec.kernel import Decision
-from model.spec.machine import StepRecord
+from model.spec.machine import StepPops, StepRecord
 from model.spec.state import SystemState
 
 _COMMIT = int(Decision.COMMIT)
 
 
-def _suspect(state: SystemState, rec: StepRecord) -> bool:
+def _suspect(state: SystemState, rec: StepRecord | StepPops) -> bool:
     ranks = state.ranks
     q0 = ranks[0].queue
     for rs in ranks[1:]:
         if rs.queue != q0:
             return True
-    first = rec.ranks[0].popped
+    first, *others = rec.popped
     requests = state.requests
-    for rank_step in rec.ranks[1:]:
-        popped = rank_step.popped
+    for popped in others:
         if popped != first:      # rare: compare the outcome kinds, then the payloads
             if [(r, d == _COMMIT) for r, d, _ in popped] != [(r, d == _COMMIT) for r, d, _ in first]:
                 return True
@@ -40,7 +39,7 @@ def _suspect(state: SystemState, rec: StepRecord) -> bool:
     return bool(first and q0) and not set(q0).isdisjoint(r for r, _, _ in first)
 
 
-def step_violations(state: SystemState, rec: StepRecord) -> list[Violation]:
+def step_violations(state: SystemState, rec: StepRecord | StepPops) -> list[Violation]:
     """The invariant violations this step introduced (empty if none), or a hang."""
     if rec.hang is not None:
         detail = "MIN over different queue lengths " + ", ".join(

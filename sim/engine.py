@@ -27,7 +27,7 @@ from simpy.events import URGENT, Event
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import EventNotEnabled, StepRecord, apply, forget
+from model.spec.machine import EventNotEnabled, StepPops, StepRecord, apply, forget
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -163,14 +163,17 @@ class Simulation:
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
 
     # -- environment events ------------------------------------------------------------
-    def _env_event(self, ev: Any) -> None:
+    def _env_events(self, events: list[Any]) -> None:
+        state = self.state
         try:
-            apply(self.state, ev)
+            for ev in events:
+                apply(state, ev)
         except EventNotEnabled as exc:      # the driver broke its own physics: a bug
             raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
-        self.since_poll += 1
+        self.since_poll += len(events)
         if self.trace is not None:
-            self.trace.event(ev, self.env.now)
+            for ev in events:
+                self.trace.event(ev, self.env.now)
 
     def _arrivals(self):
         env, wl = self.env, self.wl
@@ -211,32 +214,42 @@ class Simulation:
             self._enqueue(self.prealloc.popleft())
 
     def _shift_stalls(self, k: int, t: float) -> float:
+        """``t`` moved past any stall of rank ``k`` that covers it."""
         for s in self.cfg.stalls:
             if s.rank == k and s.start_ms <= t < s.start_ms + s.duration_ms:
                 t = s.start_ms + s.duration_ms
         return t
 
     def _enqueue(self, i: int) -> None:
-        d, now, T = self.d, self.env.now, self.T
-        self._env_event(Enqueue(i, d.room[i], d.payload[i]))
+        d, now, T, rtt = self.d, self.env.now, self.T, self.room_rtt
+        self._env_events([Enqueue(i, d.room[i], d.payload[i])])
         self.in_pool += 1
         fr = int(d.fail_rank[i])
         extra = float(d.late_ms[i]) if fr >= 0 else 0.0
+        xfer, lag, lost = d.xfer_ms[i].tolist(), d.lag_ms[i].tolist(), d.lost[i].tolist()
+        write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
+        stalls = self.cfg.stalls
         for k in range(T):
-            kv = self._shift_stalls(k, now + float(d.xfer_ms[i, k]))
-            kv_all = max(kv_all, kv)
+            kv = now + xfer[k]
+            if stalls:
+                kv = self._shift_stalls(k, kv)
+            if kv > kv_all:
+                kv_all = kv
             events.append((kv, (FAIL if k == fr else KV) * T + k))
-            if k == fr or d.lost[i, k]:
+            if k == fr or lost[k]:
                 continue
-            land = self._shift_stalls(k, kv + float(d.lag_ms[i, k]) + extra)
+            land = kv + lag[k] + extra
+            if stalls:
+                land = self._shift_stalls(k, land)
             events.append((land, PAY * T + k))
-            events.append((land + self.room_rtt, ROOMF * T + k))
-            self.write_end[i, k] = land + self.room_rtt
+            events.append((land + rtt, ROOMF * T + k))
+            write_end[k] = land + rtt
             if self.record:
                 self.spans.append(("kv", k, i, now, kv))
-                self.spans.append(("lag", k, i, kv, land + self.room_rtt))
+                self.spans.append(("lag", k, i, kv, land + rtt))
+        self.write_end[i] = write_end
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
@@ -247,22 +260,24 @@ class Simulation:
             self.wake.succeed()
 
     def _timeline(self, tl: _Timeline) -> None:
-        now, T, i = self.env.now, self.T, tl.req
-        times, codes = tl.times, tl.codes
-        target = times[tl.pos]      # exact, where now may differ from it in the last bit
+        """Deliver the timeline's events due at its next time (one batch, one SimPy event)."""
+        now, T, i, ranks = self.env.now, self.T, tl.req, self.state.ranks
+        times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
+        target = times[pos]      # exact, where now may differ from it in the last bit
+        batch: list[Any] = []
         while True:
-            kind, k = divmod(codes[tl.pos], T)
-            tl.pos += 1
-            rs = self.state.ranks[k]
-            if kind == KV or kind == FAIL:
-                if i in rs.recv:        # else the request already left: its KV is moot
-                    self._env_event(KvDone(k, i) if kind == KV else Fail(k, i))
-            else:
-                self._env_event(Land(k, i, PAYLOAD if kind == PAY else ROOM))
-            if tl.pos == len(times) or times[tl.pos] > target:
+            kind, k = divmod(codes[pos], T)
+            pos += 1
+            if kind >= PAY:
+                batch.append(Land(k, i, PAYLOAD if kind == PAY else ROOM))
+            elif i in ranks[k].recv:   # else the request already left: its KV is moot
+                batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
+            if pos == end or times[pos] > target:
                 break
-        if tl.pos < len(times):
-            _At(self.env, times[tl.pos] - now, self._timeline, tl)
+        self._env_events(batch)     # env events never pop: the checks above stay valid
+        tl.pos = pos
+        if pos < end:
+            _At(self.env, times[pos] - now, self._timeline, tl)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
@@ -276,7 +291,7 @@ class Simulation:
                 # prefill acknowledges only once its writes are done: wait for them
                 _At(self.env, self.write_end[i, k] - now, self._fence, key)
                 return
-            self._env_event(Fence(k, i))
+            self._env_events([Fence(k, i)])
             self._admit()       # the fence may have freed a quarantined slot
         self._settle()
 
@@ -292,6 +307,7 @@ class Simulation:
         env, state, cfg = self.env, self.state, self.cfg
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
+        detail = self.trace is not None      # the trace needs the full StepRecord
         while self.decided < n:
             if not ranks[0].queue and not self.running:
                 if self.pending == 0:      # nothing can arrive or land any more
@@ -304,7 +320,7 @@ class Simulation:
             queued = len(ranks[0].queue)
             if queued:
                 s = env.now
-                rec = apply(state, _STEP)
+                rec = apply(state, _STEP, detail=detail)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
@@ -329,9 +345,10 @@ class Simulation:
             self._admit()
             yield env.timeout(self.forward.next() if self.running else self.idle.next())
 
-    def _record_pops(self, rec: StepRecord) -> int:
+    def _record_pops(self, rec: StepRecord | StepPops) -> int:
         now, d = self.env.now, self.d
-        for r, dec, _ in rec.ranks[0].popped:
+        popped = rec.popped
+        for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
             if dec == _COMMIT:
@@ -342,16 +359,16 @@ class Simulation:
                 self.finished += 1
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend(r for r, _, _ in rec.ranks[0].popped)
+        self.to_forget.extend(r for r, _, _ in popped[0])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
-        for k, rank_step in enumerate(rec.ranks):
+        for k, rank_popped in enumerate(popped):
             rs = self.state.ranks[k]
-            for r, dec, _ in rank_step.popped:
+            for r, dec, _ in rank_popped:
                 if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
                     self.pending += 1
                     _At(self.env, float(d.fence_ms[r, k]), self._fence, (k, r))
-        return len(rec.ranks[0].popped)
+        return len(popped[0])
 
     def _forget_done(self) -> None:
         """Let the spec drop decided requests no write can reach any more, so memory

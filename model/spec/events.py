@@ -12,7 +12,7 @@ ROOM, PAYLOAD = "room", "payload"
 FIELDS = (ROOM, PAYLOAD)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Enqueue:
     """A request enters the transfer queue of every rank in the same step (#21297)."""
     req: int
@@ -20,14 +20,14 @@ class Enqueue:
     payload: int    # what prefill sends in the metadata row (first output token)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KvDone:
     """This rank's KV pages landed: its receiver reports Success (latched)."""
     rank: int
     req: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Land:
     """One field of the request's metadata row becomes visible on this rank, in the
     slot this rank gave the request, even if the request has left and the slot was
@@ -37,14 +37,14 @@ class Land:
     field: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fail:
     """This rank's transfer for the request failed: its receiver reports Failed."""
     rank: int
     req: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fence:
     """Prefill acknowledged the request's abort on this rank: no write for it is still
     in flight, so its slot may be reused (#35049)."""
@@ -52,7 +52,7 @@ class Fence:
     req: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """One scheduler step on all ranks: poll -> gate -> MIN -> pop -> clear -> free."""
 

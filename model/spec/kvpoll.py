@@ -40,7 +40,8 @@ def min_reduce(vectors: Sequence[Sequence[int]]) -> list[int]:
     """
     if not vectors:
         raise ValueError("min_reduce needs at least one rank")
-    lengths = [len(v) for v in vectors]
-    if len(set(lengths)) != 1:
-        raise CollectiveMismatch(lengths)
-    return [min(column) for column in zip(*vectors)]
+    n = len(vectors[0])
+    for v in vectors:
+        if len(v) != n:
+            raise CollectiveMismatch([len(v) for v in vectors])
+    return list(map(min, zip(*vectors)))

@@ -7,13 +7,15 @@ version (copy, then apply). Every driver (proof export, simulator, impl replay,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from functools import lru_cache
+from typing import Any, Callable, Iterable
 
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.kernel import Decision, compare_index, gate_table, keep_regardless, pop_table
 from model.spec.kvpoll import CollectiveMismatch, KVPoll, min_reduce
 from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
                               SystemState)
+from model.spec.variants import Variant
 
 _LATCHED = (int(KVPoll.Success), int(KVPoll.Failed))
 _FIELD_BIT = {ROOM: ROOM_BIT, PAYLOAD: PAYLOAD_BIT}
@@ -40,21 +42,39 @@ class StepRecord:
     ranks: tuple[RankStep, ...]
     hang: tuple[int, ...] | None = None        # queue lengths if the MIN mismatched
 
+    @property
+    def popped(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per rank, what it popped (as in StepPops)."""
+        return tuple(r.popped for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class StepPops:
+    """A protocol step without the per-rank poll detail: ``apply(state, Step(),
+    detail=False)`` returns it for drivers that write no trace (the transition is the
+    same; only the record is smaller)."""
+    step: int
+    popped: tuple[tuple[tuple[int, int, int], ...], ...]   # per rank, as RankStep.popped
+    hang: tuple[int, ...] | None = None
+
 
 def _rank(state: SystemState, rank: int) -> RankState:
-    if not 0 <= rank < state.n_ranks:
-        raise EventNotEnabled(f"rank {rank} out of range 0..{state.n_ranks - 1}")
-    return state.ranks[rank]
+    ranks = state.ranks
+    if not 0 <= rank < len(ranks):
+        raise EventNotEnabled(f"rank {rank} out of range 0..{len(ranks) - 1}")
+    return ranks[rank]
 
 
-def _check_receiver_event(state: SystemState, rank: int, req: int, what: str) -> RankState:
-    rs = _rank(state, rank)
-    if req not in rs.recv:
-        raise EventNotEnabled(f"{what}: request {req} is not in rank {rank}'s transfer queue")
-    if rs.recv[req] in _LATCHED:
-        raise EventNotEnabled(f"{what}: request {req} on rank {rank} already latched "
-                              f"{KVPoll(rs.recv[req]).name}")
-    return rs
+def _latch(state: SystemState, ev: KvDone | Fail, value: int, what: str) -> None:
+    """The receiver of ``ev.req`` on ``ev.rank`` reports ``value`` (once: it latches)."""
+    recv, req = _rank(state, ev.rank).recv, ev.req
+    current = recv.get(req)
+    if current is None:
+        raise EventNotEnabled(f"{what}: request {req} is not in rank {ev.rank}'s transfer queue")
+    if current in _LATCHED:
+        raise EventNotEnabled(f"{what}: request {req} on rank {ev.rank} already latched "
+                              f"{KVPoll(current).name}")
+    recv[req] = value
 
 
 def _free_slot(state: SystemState, rs: RankState, req: int) -> None:
@@ -111,14 +131,14 @@ def _land(state: SystemState, ev: Land) -> None:
     bit = _FIELD_BIT.get(ev.field)
     if bit is None:
         raise EventNotEnabled(f"land: unknown field {ev.field!r} (room or payload)")
-    if ev.req not in rs.landed:
+    landed = rs.landed.get(ev.req)
+    if landed is None:
         raise EventNotEnabled(f"land: request {ev.req} has no write in flight to rank {ev.rank}")
-    if rs.landed[ev.req] & bit:
+    if landed & bit:
         raise EventNotEnabled(f"land: {ev.field} of request {ev.req} already landed on rank {ev.rank}")
     if ev.req in rs.fenced:
         raise EventNotEnabled(f"land: request {ev.req} is fenced on rank {ev.rank}")
-    if (state.variant.room_after_payload and bit == ROOM_BIT
-            and not rs.landed[ev.req] & PAYLOAD_BIT):
+    if state.variant.room_after_payload and bit == ROOM_BIT and not landed & PAYLOAD_BIT:
         raise EventNotEnabled(f"land: room of request {ev.req} before its payload on rank "
                               f"{ev.rank} (variant writes the room after the payload completed)")
     req = state.requests[ev.req]
@@ -127,7 +147,7 @@ def _land(state: SystemState, ev: Land) -> None:
         rs.room_at[slot] = req.room
     else:
         rs.payload_at[slot] = req.payload
-    rs.landed[ev.req] |= bit
+    rs.landed[ev.req] = landed | bit
     _writes_done(state, rs, ev.req)
 
 
@@ -141,90 +161,118 @@ def _fence(state: SystemState, ev: Fence) -> None:
     _writes_done(state, rs, ev.req)
 
 
-def _protocol_step(state: SystemState) -> StepRecord:
-    v = state.variant
+@lru_cache(maxsize=None)
+def _tables(v: Variant) -> tuple[tuple, tuple, tuple]:
+    """The kernel's tables for ``v``, looked up once per step (one hash of ``v``)."""
+    return gate_table(v), pop_table(v), keep_regardless(v)
+
+
+def _polls(state: SystemState, rs: RankState, gate: tuple) -> tuple[list[int], list[int]]:
+    """This rank's receiver polls and its MIN contributions (gated_poll via the kernel
+    table) for every queued request. One loop: queues are short, and a loop is cheaper
+    than two comprehensions."""
+    requests, recv, room_at, slot_of = state.requests, rs.recv, rs.room_at, rs.slot_of
+    timeout = state.variant.timeout_steps
+    local, gated = [], []
+    for r in rs.queue:
+        p = recv[r]
+        i = p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)
+        if timeout is not None and rs.age[r] >= timeout:
+            i += 8
+        local.append(p)
+        gated.append(gate[i])
+    return local, gated
+
+
+def _pop(state: SystemState, rs: RankState, reduced: list[int], pop: tuple | None
+         ) -> tuple[tuple[int, int, int], ...]:
+    """Apply the MIN on one rank: pop decisions (``pop`` is None when every reduced value
+    keeps regardless of the rooms), ages of the kept, outcomes and slot release."""
+    age = rs.age
+    if pop is None:
+        for r in rs.queue:
+            age[r] += 1
+        return ()
+    kept: list[int] = []
+    popped: list[tuple[int, int, int]] = []
+    requests, room_at, slot_of = state.requests, rs.room_at, rs.slot_of
+    for red, r in zip(reduced, rs.queue):
+        slot = slot_of[r]
+        d = pop[red * 8 + compare_index(room_at[slot], requests[r].room)]
+        if d is Decision.KEEP:
+            kept.append(r)
+            age[r] += 1
+            continue
+        popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
+    rs.queue = kept          # a new list: the one before the step stays intact
+    for r, d, payload in popped:
+        del rs.recv[r], age[r]
+        rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
+        _release(state, rs, r)
+    return tuple(popped)
+
+
+def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
     # gate_table/pop_table are gated_poll/pop_decision tabulated on ints (kernel.py).
-    gate, pop, timeout = gate_table(v), pop_table(v), v.timeout_steps
-    requests = state.requests
-    locals_, gateds = [], []
-    for rs in state.ranks:
-        queue, room_at, slot_of = rs.queue, rs.room_at, rs.slot_of
-        local = [rs.recv[r] for r in queue]
-        if timeout is None:
-            gated = [gate[p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)]
-                     for p, r in zip(local, queue)]
-        else:
-            age = rs.age
-            gated = [gate[p * 16 + 8 * (age[r] >= timeout)
-                          + compare_index(room_at[slot_of[r]], requests[r].room)]
-                     for p, r in zip(local, queue)]
-        locals_.append(local)
-        gateds.append(gated)
+    gate, pop, keeps = _tables(state.variant)
+    ranks = state.ranks
+    queues = [rs.queue for rs in ranks]          # before the step (_pop replaces, never edits)
+    locals_, gateds = zip(*[_polls(state, rs, gate) for rs in ranks])
     try:
         reduced = min_reduce(gateds)
     except CollectiveMismatch as exc:
         state.hung = exc.lengths
-        ranks = tuple(RankStep(k, tuple(rs.queue), tuple(locals_[k]), tuple(gateds[k]), (), ())
-                      for k, rs in enumerate(state.ranks))
-        return StepRecord(state.steps, ranks, exc.lengths)
-    reduced_t = tuple(reduced)
-    # Reduced values whose pop decision is KEEP whatever the rooms (from the table).
-    keeps = keep_regardless(v)
-    nothing_pops = all(keeps[red] for red in reduced_t)
-    records = []
-    for k, rs in enumerate(state.ranks):
-        queue_before = tuple(rs.queue)
-        popped: list[tuple[int, int, int]] = []
-        if nothing_pops:
-            kept = rs.queue
-        else:
-            kept = []
-            for red, r in zip(reduced_t, queue_before):
-                slot = rs.slot_of[r]
-                d = pop[red * 8 + compare_index(rs.room_at[slot], requests[r].room)]
-                if d is Decision.KEEP:
-                    kept.append(r)
-                    continue
-                payload = rs.payload_at[slot] if d is Decision.COMMIT else 0
-                popped.append((r, int(d), payload))
-            rs.queue = kept
-        age = rs.age
-        for r in kept:
-            age[r] += 1
-        for r, d, payload in popped:
-            del rs.recv[r], age[r]
-            rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
-            _release(state, rs, r)
-        records.append(RankStep(k, queue_before, tuple(locals_[k]), tuple(gateds[k]),
-                                reduced_t, tuple(popped)))
-    record = StepRecord(state.steps, tuple(records))
+        if not detail:
+            return StepPops(state.steps, ((),) * len(ranks), exc.lengths)
+        return StepRecord(state.steps, tuple(
+            RankStep(k, tuple(queues[k]), tuple(locals_[k]), tuple(gateds[k]), (), ())
+            for k in range(len(ranks))), exc.lengths)
+    # Reduced values whose pop decision is KEEP whatever the rooms need no table lookup.
+    rank_pop = None if all(keeps[red] for red in reduced) else pop
+    popped = [_pop(state, rs, reduced, rank_pop) for rs in ranks]
+    step_no = state.steps
     state.steps += 1
-    return record
+    if not detail:
+        return StepPops(step_no, tuple(popped))
+    reduced_t = tuple(reduced)
+    return StepRecord(step_no, tuple(
+        RankStep(k, tuple(queues[k]), tuple(locals_[k]), tuple(gateds[k]), reduced_t, popped[k])
+        for k in range(len(ranks))))
 
 
-def apply(state: SystemState, event: Event) -> StepRecord | None:
-    """Perform ``event`` on ``state`` in place. Returns the StepRecord of a protocol step,
-    None for environment events. Raises EventNotEnabled (state untouched) if not allowed."""
+def _receiver(poll: KVPoll, what: str) -> Callable[[SystemState, Any], None]:
+    """The handler of KvDone / Fail: the receiver latches ``poll``."""
+    value = int(poll)
+
+    def handle(state: SystemState, ev: KvDone | Fail) -> None:
+        _latch(state, ev, value, what)
+    return handle
+
+
+# Environment events by type: one dict lookup instead of an isinstance chain per event.
+_ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
+    Enqueue: _enqueue, KvDone: _receiver(KVPoll.Success, "kv_done"),
+    Fail: _receiver(KVPoll.Failed, "fail"), Land: _land, Fence: _fence}
+
+
+def apply(state: SystemState, event: Event, *, detail: bool = True) -> StepRecord | StepPops | None:
+    """Perform ``event`` on ``state`` in place. Returns the StepRecord of a protocol step
+    (a StepPops with ``detail=False``), None for environment events. Raises
+    EventNotEnabled (state untouched) if not allowed."""
     if state.hung is not None:
         raise EventNotEnabled(f"the ranks are hung in a mismatched collective "
                               f"(queue lengths {list(state.hung)})")
+    handler = _ENV_HANDLERS.get(type(event))
+    if handler is not None:
+        handler(state, event)
+        return None
     if isinstance(event, Step):
-        return _protocol_step(state)
-    if isinstance(event, Enqueue):
-        _enqueue(state, event)
-    elif isinstance(event, KvDone):
-        _check_receiver_event(state, event.rank, event.req, "kv_done")
-        state.ranks[event.rank].recv[event.req] = int(KVPoll.Success)
-    elif isinstance(event, Fail):
-        _check_receiver_event(state, event.rank, event.req, "fail")
-        state.ranks[event.rank].recv[event.req] = int(KVPoll.Failed)
-    elif isinstance(event, Land):
-        _land(state, event)
-    elif isinstance(event, Fence):
-        _fence(state, event)
-    else:
-        raise EventNotEnabled(f"unknown event {event!r}")
-    return None
+        return _protocol_step(state, detail)
+    for cls, handler in _ENV_HANDLERS.items():      # subclasses of the event types
+        if isinstance(event, cls):
+            handler(state, event)
+            return None
+    raise EventNotEnabled(f"unknown event {event!r}")
 
 
 def forget(state: SystemState, req: int) -> None:
