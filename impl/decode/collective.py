@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -67,24 +67,39 @@ class Message:
         self._np = self.buf.numpy()          # same memory; numpy slicing costs less per call
         self._key: tuple | None = None
         self._fingerprint: torch.Tensor | None = None
-        self._header = np.zeros(HEADER, dtype=np.uint8)
+        self._header = b""
+        self._header_np = np.zeros(HEADER, dtype=np.uint8)
 
-    def fill(self, values: torch.Tensor, length: int, fingerprint: torch.Tensor | None,
-             ok: bool) -> torch.Tensor:
+    def fill(self, values: torch.Tensor | np.ndarray, length: int,
+             fingerprint: torch.Tensor | None, ok: bool) -> torch.Tensor:
         if (length, ok) != self._key or fingerprint is not self._fingerprint:
-            self._header = header(length, fingerprint, ok).numpy()
+            self._header_np = header(length, fingerprint, ok).numpy()
+            self._header = self._header_np.tobytes()
             self._key, self._fingerprint = (length, ok), fingerprint
-        self._np[:HEADER] = self._header
+        self._np[:HEADER] = self._header_np
         if ok and length:
-            self._np[HEADER:HEADER + length] = values.numpy()
+            self._np[HEADER:HEADER + length] = (values.numpy() if isinstance(values, torch.Tensor)
+                                                else values)
         return self.buf
 
+    def agreed(self) -> bool:
+        """After the MIN, in place: did every rank send status 1 and this rank's length and
+        digest? The reduced header equals ours iff so: min(b) == b and min(255 - b) ==
+        255 - b means no rank sent less or more than b."""
+        return self._key is not None and self._key[1] and \
+            self._np[:HEADER].tobytes() == self._header
 
-def encode(values: torch.Tensor, length: int, fingerprint: torch.Tensor | None, ok: bool,
-           capacity: int | None) -> torch.Tensor:
-    """A fresh message: header + values (+ padding to ``capacity``)."""
-    msg = Message(length if capacity is None else capacity)
-    return msg.fill(values.cpu(), length, fingerprint, ok)
+    def reduce(self, exchange: Any, values: torch.Tensor | np.ndarray, length: int,
+               fingerprint: torch.Tensor | None, ok: bool) -> np.ndarray:
+        """One step's collective: fill, MIN in place, check the header. Returns the
+        reduced values (a view into the buffer, valid until the next fill) or raises the
+        error that explains the disagreement on every rank."""
+        if length > self.capacity:
+            raise ValueError(f"queue of {length} exceeds the collective capacity {self.capacity}")
+        exchange.all_reduce_min(self.fill(values, length, fingerprint, ok))
+        if self.agreed():
+            return self._np[HEADER:HEADER + length]
+        disagree(exchange, length, fingerprint, ok)
 
 
 def read_header(reduced: torch.Tensor) -> Agreement:
@@ -148,6 +163,14 @@ def fingerprint_row(length: int, fingerprint: torch.Tensor | None, ok: bool) -> 
     return [1 if ok else 0, length, int(fingerprint[0]) if fingerprint is not None else 0]
 
 
+def disagree(exchange: Any, length: int, fingerprint: torch.Tensor | None, ok: bool) -> NoReturn:
+    """The ranks did not all send status 1 with the same header: a second, small
+    collective learns every rank's (status, length, digest) and raises the same error
+    on every rank."""
+    raise_disagreement(exchange.all_gather_rows(fingerprint_row(length, fingerprint, ok)))
+    raise AssertionError("unreachable")
+
+
 def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torch.Tensor | None = None,
               ok: bool = True, capacity: int | None = None,
               message: Message | None = None) -> torch.Tensor:
@@ -169,14 +192,7 @@ def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torc
         if agreement.ok and agreement.same:
             body = values.to(torch.uint8).cpu().clone()
             return exchange.all_reduce_min(body) if length else body
-    else:
-        if message is not None and message.capacity == capacity:
-            msg = message.fill(values.cpu(), length, fingerprint, ok)
-        else:
-            msg = encode(values, length, fingerprint, ok, capacity)
-        reduced = exchange.all_reduce_min(msg)
-        agreement = read_header(reduced)
-        if agreement.ok and agreement.same:
-            return reduced[HEADER:HEADER + length]
-    raise_disagreement(exchange.all_gather_rows(fingerprint_row(length, fingerprint, ok)))
-    raise AssertionError("unreachable")
+        disagree(exchange, length, fingerprint, ok)
+    if message is None or message.capacity != capacity:
+        message = Message(capacity)
+    return torch.from_numpy(message.reduce(exchange, values.cpu(), length, fingerprint, ok))

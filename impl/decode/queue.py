@@ -10,15 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from impl.decode.buffers import MetadataBuffers, SlotAllocator
-from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, agree_min, digest
+from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, digest
 from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, DuplicateRequest,
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
-from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
-                              may_pop, resolve_variant)
+from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_array,
+                              gate_tensor, may_pop, poll_bytes, resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -85,11 +86,12 @@ def _writes_fenced(receiver: Any) -> bool:
 
 @dataclass
 class StepPlan:
-    """The local half of a step: nothing in the queue has changed yet."""
+    """The local half of a step: nothing in the queue has changed yet. On cpu the
+    per-request values are numpy arrays (views of the queue's tensors' memory)."""
     reqs: list[DecodeRequest]
-    local: torch.Tensor
-    seen: torch.Tensor
-    gated: torch.Tensor
+    local: torch.Tensor | np.ndarray
+    seen: torch.Tensor | np.ndarray
+    gated: torch.Tensor | np.ndarray
     fingerprint: torch.Tensor
     error: DecodeInputError | None = None
 
@@ -122,7 +124,15 @@ class DecodeTransferQueue:
         self._fakes = 0                                  # queued fake transfers
         self._fingerprint: torch.Tensor | None = None    # digest of the queue, cached
         self._message = Message(metadata_buffers.size)   # the step's collective buffer
-        self._may_pop = may_pop(self.variant)            # reduced value -> can anything leave
+        # reduced values after which nothing can leave, as bytes: "can anything pop?"
+        # is then one C-level bytes.translate on the reduced polls
+        self._stay = bytes(np.flatnonzero(~may_pop(self.variant)).tolist())
+        # on cpu the step runs on numpy views of the per-request tensors (one numpy op
+        # costs a fraction of a torch op at these sizes); refreshed when they change
+        self._on_cpu = dev.type == "cpu"
+        self._room_np = metadata_buffers.room_column.numpy() if self._on_cpu else None
+        self._views: tuple = ()
+        self._refresh_views()
         self._quarantine: list[DecodeRequest] = []
         self.steps = 0
 
@@ -192,16 +202,22 @@ class DecodeTransferQueue:
         self._age = torch.cat([self._age, torch.zeros(len(new), dtype=torch.int64, device=dev)])
         self._pending = []
         self._fingerprint = None
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        if self._on_cpu:
+            self._views = (self._slots.numpy(), self._expected.numpy(), self._age.numpy(),
+                           self._real.numpy())
 
     # -- one protocol step ----------------------------------------------------------
     def pop_transferred(self) -> list[Committed | Aborted]:
         """One scheduler step on this rank; every rank of the group must call it."""
         self.release_fenced()
         plan = self.begin_step()
+        values = plan.gated if self._on_cpu else plan.gated.cpu()
         try:
-            reduced = agree_min(self.exchange, plan.gated, fingerprint=plan.fingerprint,
-                                ok=plan.error is None, capacity=self.buffers.size,
-                                message=self._message)
+            reduced = self._message.reduce(self.exchange, values, len(values), plan.fingerprint,
+                                           plan.error is None)
         except PeerAbortedStep:
             if plan.error is not None:
                 raise plan.error from None
@@ -221,23 +237,34 @@ class DecodeTransferQueue:
             self._fingerprint = digest(self._expected)
         fp = self._fingerprint
         try:
-            local = check_polls(polls, lambda i: reqs[i].req.rid).to(self.buffers.device)
+            raw = poll_bytes(polls, lambda i: reqs[i].req.rid)
         except DecodeInputError as exc:
-            empty = torch.empty(0, dtype=torch.uint8)
-            return StepPlan(reqs, empty, _EMPTY_I64, empty, fp, exc)
+            empty = np.empty(0, dtype=np.uint8)
+            return StepPlan(reqs, empty, empty, empty, fp, exc)
+        if self._on_cpu:
+            slots, expected, age, real = self._views
+            local = np.frombuffer(raw, dtype=np.uint8)
+            seen = self._room_np[slots]                                   # the one gather
+            gated = gate_array(self.variant, local, seen, expected, age,
+                               real if self._fakes else None)  # skip the mask when all are real
+            return StepPlan(reqs, local, seen, gated, fp)
+        local = check_polls(raw).to(self.buffers.device)
         seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
-        real = self._real if self._fakes else None       # skip the mask when all are real
+        real = self._real if self._fakes else None
         gated = gate_tensor(self.variant, local, seen, self._expected, self._age, real)
         return StepPlan(reqs, local, seen, gated, fp)
 
-    def finish_step(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
+    def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray
+                    ) -> list[Committed | Aborted]:
         """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
         if plan.error is not None:
             raise plan.error
-        if not self._may_pop[reduced.numpy()].any():      # no MIN value can pop anything
+        reduced = reduced.numpy() if isinstance(reduced, torch.Tensor) else reduced
+        if not reduced.tobytes().translate(None, self._stay):   # no MIN value can pop anything
             return self._keep_all(plan, reduced)
-        reduced = reduced.to(self.buffers.device)
-        decisions = decide_tensor(self.variant, reduced, plan.seen, self._expected, self._real)
+        reduced = torch.from_numpy(reduced).to(self.buffers.device)
+        decisions = decide_tensor(self.variant, reduced, torch.as_tensor(plan.seen),
+                                  self._expected, self._real)
         leave = decisions != int(Decision.KEEP)
         if not bool(leave.any()):
             return self._keep_all(plan, reduced)
@@ -246,6 +273,7 @@ class DecodeTransferQueue:
         self._fingerprint = None
         self._slots, self._expected = self._slots[keep], self._expected[keep]
         self._real, self._age = self._real[keep], self._age[keep] + 1
+        self._refresh_views()
         keep_list = keep.tolist()
         self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
         self._poll_fns = [f for f, k in zip(self._poll_fns, keep_list) if k]
@@ -255,8 +283,12 @@ class DecodeTransferQueue:
         self.steps += 1
         return results
 
-    def _keep_all(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
-        self._age += 1
+    def _keep_all(self, plan: StepPlan, reduced: Any) -> list[Committed | Aborted]:
+        if self._on_cpu:
+            age = self._views[2]              # the age tensor, through its numpy view
+            age += 1
+        else:
+            self._age += 1
         self._trace(plan, reduced, ())
         self.steps += 1
         return []
@@ -333,7 +365,7 @@ class DecodeTransferQueue:
                hang: tuple[int, ...] | None = None, error: str | None = None) -> None:
         if self.tracer is None:
             return
-        as_list = (lambda t: tuple(t.tolist()) if isinstance(t, torch.Tensor) else tuple(t))
+        as_list = (lambda t: tuple(t.tolist()) if hasattr(t, "tolist") else tuple(t))
         self.tracer.record(StepTrace(self.steps, tuple(d.req.rid for d in plan.reqs),
                                      as_list(plan.local), as_list(plan.gated), as_list(reduced),
                                      tuple(tuple(p) for p in popped), hang, error))
