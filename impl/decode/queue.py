@@ -214,7 +214,7 @@ class DecodeTransferQueue:
         """One scheduler step on this rank; every rank of the group must call it."""
         self.release_fenced()
         plan = self.begin_step()
-        values = plan.gated if self._on_cpu else plan.gated.cpu()
+        values = plan.gated.cpu() if isinstance(plan.gated, torch.Tensor) else plan.gated
         try:
             reduced = self._message.reduce(self.exchange, values, len(values), plan.fingerprint,
                                            plan.error is None)

@@ -17,11 +17,17 @@ from model.spec import KVPoll
 SUCCESS, FAILED = int(KVPoll.Success), int(KVPoll.Failed)
 
 
-def make(ranks=2, slots=4, variant="strict", timeout_steps=None):
+def make(ranks=2, slots=4, variant="strict", timeout_steps=None, torch_path=False):
     g = LockstepGroup(ranks, timeout_s=5)
-    return [DecodeTransferQueue(None, MetadataBuffers(slots), SlotAllocator(slots), variant,
-                                timeout_steps=timeout_steps, exchange=g.exchange(k))
-            for k in range(ranks)]
+    qs = [DecodeTransferQueue(None, MetadataBuffers(slots), SlotAllocator(slots), variant,
+                              timeout_steps=timeout_steps, exchange=g.exchange(k))
+          for k in range(ranks)]
+    for q in qs:        # the path device (cuda) buffers take, exercised here on cpu tensors
+        q._on_cpu = not torch_path
+    return qs
+
+
+both_paths = pytest.mark.parametrize("torch_path", [False, True], ids=["numpy", "torch"])
 
 
 def snap(q):
@@ -62,8 +68,9 @@ def test_bad_adds_raise_typed_errors_and_change_nothing(bad, error):
     assert same(before, snap(q))
 
 
-def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged():
-    qs = make(2)
+@both_paths
+def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged(torch_path):
+    qs = make(2, torch_path=torch_path)
     ds = enqueue_all(qs, "a", 11)
     step(qs)
     ds[1].kv_receiver.state = 7
@@ -74,8 +81,9 @@ def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged():
     assert all(same(b, snap(q)) for b, q in zip(before, qs))
 
 
-def test_commit_reads_the_row_and_frees_the_zeroed_slot():
-    qs = make(2, variant="gate")
+@both_paths
+def test_commit_reads_the_row_and_frees_the_zeroed_slot(torch_path):
+    qs = make(2, variant="gate", torch_path=torch_path)
     ds = enqueue_all(qs, "a", 2**64 - 3)
     for q, d in zip(qs, ds):
         d.kv_receiver.state = SUCCESS
@@ -91,15 +99,17 @@ def test_commit_reads_the_row_and_frees_the_zeroed_slot():
         assert q.buffers.read_room(0) == 0 and q.allocator.free_list()[-1] == 0
 
 
-def test_fake_transfers_bypass_the_gate():
-    qs = make(2)
+@both_paths
+def test_fake_transfers_bypass_the_gate(torch_path):
+    qs = make(2, torch_path=torch_path)
     ds = [q.enqueue(Req("f", 0, FAKE_BOOTSTRAP_HOST), ScriptedReceiver(SUCCESS)) for q in qs]
     out = step(qs)
     assert all(isinstance(r[0], Committed) for r in out)
 
 
-def test_strict_timeout_aborts_on_every_rank_in_the_same_step():
-    qs = make(3, timeout_steps=2)
+@both_paths
+def test_strict_timeout_aborts_on_every_rank_in_the_same_step(torch_path):
+    qs = make(3, timeout_steps=2, torch_path=torch_path)
     ds = enqueue_all(qs, "a", 5)
     for d in ds:
         d.kv_receiver.state = SUCCESS       # KV done, the metadata never lands
