@@ -77,9 +77,10 @@ class Message:
             self._header = self._header_np.tobytes()
             self._key, self._fingerprint = (length, ok), fingerprint
         self._np[:HEADER] = self._header_np
-        if ok and length:
-            self._np[HEADER:HEADER + length] = (values.numpy() if isinstance(values, torch.Tensor)
-                                                else values)
+        n = min(length, self.capacity)      # a longer queue sends its length, not its values
+        if ok and n:
+            v = values.numpy() if isinstance(values, torch.Tensor) else values
+            self._np[HEADER:HEADER + n] = v if n == length else v[:n]
         return self.buf
 
     def agreed(self) -> bool:
@@ -100,6 +101,45 @@ class Message:
         if self.agreed():
             return self._np[HEADER:HEADER + length]
         disagree(exchange, length, fingerprint, ok)
+
+
+class AdaptiveMessage:
+    """The step message of a queue, shaped by the queue's *agreed* length instead of its
+    capacity: ``shape`` values, a power of two >= MIN_SHAPE. It changes only right after
+    every rank agreed on a length (grows when the length exceeds it, shrinks when the
+    length falls to a quarter), so it is the same function of the same history on every
+    rank and every collective still has the same shape on every rank. A queue longer
+    than the shape sends its header only; once all ranks agree on that length the
+    values go in a second collective of the new shape (rare: doublings only)."""
+
+    MIN_SHAPE = 64
+
+    def __init__(self) -> None:
+        self._msg = Message(self.MIN_SHAPE)
+
+    @property
+    def shape(self) -> int:
+        return self._msg.capacity
+
+    def _next_shape(self, length: int) -> int:
+        shape = self.shape
+        if length > shape or (shape > self.MIN_SHAPE and length <= shape // 4):
+            return max(self.MIN_SHAPE, 1 << max(0, length - 1).bit_length())
+        return shape
+
+    def reduce(self, exchange: Any, values: np.ndarray | torch.Tensor, length: int,
+               fingerprint: torch.Tensor | None, ok: bool) -> np.ndarray:
+        """As ``Message.reduce``; the result is valid until the next call."""
+        msg = self._msg
+        exchange.all_reduce_min(msg.fill(values, length, fingerprint, ok))
+        if not msg.agreed():
+            disagree(exchange, length, fingerprint, ok)
+        shape = self._next_shape(length)          # every rank agreed on length: same shape
+        if shape != msg.capacity:
+            self._msg = Message(shape)
+        if length <= msg.capacity:
+            return msg._np[HEADER:HEADER + length]
+        return self._msg.reduce(exchange, values, length, fingerprint, ok)
 
 
 def read_header(reduced: torch.Tensor) -> Agreement:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from impl.decode.buffers import MetadataBuffers, SlotAllocator
-from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, digest
+from impl.decode.collective import AdaptiveMessage, DEFAULT_TIMEOUT_S, GlooExchange, digest
 from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, DuplicateRequest,
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
@@ -123,7 +123,7 @@ class DecodeTransferQueue:
         self._rids: set[str] = set()                     # queued request ids
         self._fakes = 0                                  # queued fake transfers
         self._fingerprint: torch.Tensor | None = None    # digest of the queue, cached
-        self._message = Message(metadata_buffers.size)   # the step's collective buffer
+        self._message = AdaptiveMessage()                # the step's collective buffer
         # reduced values after which nothing can leave, as bytes: "can anything pop?"
         # is then one C-level bytes.translate on the reduced polls
         self._stay = bytes(np.flatnonzero(~may_pop(self.variant)).tolist())
