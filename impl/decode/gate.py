@@ -29,36 +29,33 @@ _POLL_BYTES = bytes(sorted(POLL_SET))
 SUPPORTED_VARIANTS = (*VARIANTS, *ABLATIONS)
 
 
-def _is_py_bool(x: Any) -> bool:
-    return isinstance(x, bool)
-
-
+# The kernel mixes arrays with Python bools (constant parts of a rule): those fold here
+# instead of becoming array ops. Python's True/False are singletons, so ``is`` tells them
+# from array elements (numpy's bool_ is not a bool).
 def _and(*xs: Any) -> Any:
-    if any(_is_py_bool(x) and not x for x in xs):
-        return False
-    ts = [x for x in xs if not _is_py_bool(x)]
-    if not ts:
-        return True
-    out = ts[0]
-    for t in ts[1:]:
-        out = out & t
+    out: Any = True
+    for x in xs:
+        if x is False:
+            return False
+        if x is not True:
+            out = x if out is True else out & x
     return out
 
 
 def _ite(c: Any, a: Any, b: Any) -> Any:
-    if _is_py_bool(c):
+    if c is True or c is False:
         return a if c else b
     return torch.where(c, a, b)
 
 
 def _np_ite(c: Any, a: Any, b: Any) -> Any:
-    if _is_py_bool(c):
+    if c is True or c is False:
         return a if c else b
     return np.where(c, a, b)
 
 
 def _not(x: Any) -> Any:
-    return (not x) if _is_py_bool(x) else ~x
+    return (x is False) if (x is True or x is False) else ~x
 
 
 TORCH = Ops(ite=_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
