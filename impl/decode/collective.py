@@ -1,11 +1,12 @@
 """The MIN agreement across TP ranks, made impossible to hang or mix silently.
 
-One fixed-shape uint8 all-reduce(MIN) per step (SGLang #36928's proposal): a header,
-then the polls padded to ``capacity`` (the number of metadata slots, an upper bound on
-any queue). The header carries a status byte and the queue's length and content digest
-twice, as bytes and as their complements (255 - b): after a MIN, b_min + c_min == 255 at
-every position iff all ranks sent the same bytes. So one collective both reduces and
-proves the ranks reduced the same queue; on the rare failure a second small collective
+One uint8 all-reduce(MIN) per step, of the same shape on every rank (SGLang #36928's
+proposal): a header, then the polls padded to the shape (``capacity`` for a fixed
+Message; for the queue's AdaptiveMessage a power of two that follows the agreed length).
+The header carries a status byte and the queue's length and content digest twice, as
+bytes and as their complements (255 - b): after a MIN, b_min + c_min == 255 at every
+position iff all ranks sent the same bytes. So one collective both reduces and proves
+the ranks reduced the same queue; on the rare failure a second small collective
 (all_gather) names every rank's length. Every collective waits at most ``timeout_s``.
 """
 from __future__ import annotations

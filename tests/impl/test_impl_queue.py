@@ -2,6 +2,7 @@
 exactly as it was, disagreement raises on every rank at once, strict's rules hold."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from impl.decode import (Aborted, BadPollValue, CollectiveLengthMismatch, Commit
                          DuplicateRoom, FAKE_BOOTSTRAP_HOST, MetadataBuffers, PeerAbortedStep,
                          QueueContentMismatch, Req, SlotAllocator, SlotInUse, SlotOutOfRange,
                          ZeroRoom)
+from impl.decode.collective import AdaptiveMessage, digest
 from impl.decode.lockstep import LockstepGroup, run_ranks
 from impl.scripted import ScriptedReceiver
 from model.spec import KVPoll
@@ -152,3 +154,61 @@ def test_same_length_other_requests_raise_content_mismatch():
     qs[1].enqueue(Req("b", 6), ScriptedReceiver())
     out = step(qs)
     assert all(isinstance(e, QueueContentMismatch) for e in out)
+
+
+def _adaptive_round(group, lengths, values_of=lambda k, n: [k % 5] * n):
+    """One AdaptiveMessage.reduce per rank; records every collective's size."""
+    sizes = []
+
+    class Recording:
+        def __init__(self, ex):
+            self.ex = ex
+
+        def all_reduce_min(self, msg):
+            sizes.append(msg.numel())
+            return self.ex.all_reduce_min(msg)
+
+        def all_gather_rows(self, row):
+            return self.ex.all_gather_rows(row)
+
+    def rank(k, msg):
+        vals = np.array(values_of(k, lengths[k]), dtype=np.uint8)
+        fp = digest(torch.arange(lengths[k], dtype=torch.int64))
+        return lambda: msg.reduce(Recording(group.exchange(k)), vals, lengths[k], fp, True)
+    return rank, sizes
+
+
+def test_adaptive_message_follows_the_agreed_length_and_stays_same_shape_on_every_rank():
+    g = LockstepGroup(2, timeout_s=5)
+    msgs = [AdaptiveMessage() for _ in range(2)]
+    header = 25
+    # (length, shape after): grows past the shape, shrinks once at a quarter
+    for n, shape_after in [(3, 64), (64, 64), (65, 128), (300, 512), (200, 512), (128, 128),
+                           (100, 128), (0, 64)]:
+        before = msgs[0].shape
+        rank, sizes = _adaptive_round(g, [n, n])
+        out = run_ranks([rank(k, m) for k, m in enumerate(msgs)])
+        assert [o.tolist() for o in out] == [[0] * n] * 2            # the MIN of 0s and 1s
+        assert [m.shape for m in msgs] == [shape_after] * 2
+        grew = [before + header] * 2 + [shape_after + header] * 2   # header only, then values
+        assert sorted(sizes) == (sorted(grew) if n > before else [before + header] * 2)
+    # lengths on both sides of the shape: one header-only collective, then the mismatch
+    rank, sizes = _adaptive_round(g, [64, 65])
+    out = run_ranks([rank(k, m) for k, m in enumerate(msgs)])
+    assert all(isinstance(o, CollectiveLengthMismatch) and "rank 0: 64, rank 1: 65" in str(o)
+               for o in out)
+    assert [m.shape for m in msgs] == [64, 64] and len(sizes) == 2
+
+
+def test_a_queue_longer_than_the_message_grows_it_and_still_pops_right():
+    qs = make(2, slots=300, variant="gate")
+    for i in range(200):
+        enqueue_all(qs, f"r{i}", 1000 + i)
+    assert step(qs) == [[], []]                                   # grew 64 -> 256
+    assert [q._message.shape for q in qs] == [256, 256]
+    for q in qs:
+        d = q.queue[150]
+        d.kv_receiver.state = SUCCESS
+        land(q, d, 7)
+    out = step(qs)
+    assert [[(r.decode_req.req.rid, r.first_token) for r in o] for o in out] == [[("r150", 7)]] * 2
