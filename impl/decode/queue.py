@@ -19,7 +19,8 @@ from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, Dupl
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_array,
-                              gate_tensor, may_pop, poll_bytes, resolve_variant)
+                              gate_tensor, may_pop, numpy_ops_knowing, poll_bytes,
+                              resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -206,8 +207,9 @@ class DecodeTransferQueue:
 
     def _refresh_views(self) -> None:
         if self._on_cpu:
-            self._views = (self._slots.numpy(), self._expected.numpy(), self._age.numpy(),
-                           self._real.numpy())
+            expected = self._expected.numpy()
+            self._views = (self._slots.numpy(), expected, self._age.numpy(), self._real.numpy())
+            self._ops = numpy_ops_knowing(expected, 0)    # "expected room is 0", once per change
 
     # -- one protocol step ----------------------------------------------------------
     def pop_transferred(self) -> list[Committed | Aborted]:
@@ -245,14 +247,23 @@ class DecodeTransferQueue:
             slots, expected, age, real = self._views
             local = np.frombuffer(raw, dtype=np.uint8)
             seen = self._room_np[slots]                                   # the one gather
-            gated = gate_array(self.variant, local, seen, expected, age,
-                               real if self._fakes else None)  # skip the mask when all are real
+            gated = gate_array(self.variant, local, seen, expected, self._age_input(age),
+                               real if self._fakes else None,  # skip the mask when all are real
+                               self._ops)
             return StepPlan(reqs, local, seen, gated, fp)
         local = check_polls(raw).to(self.buffers.device)
         seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
         real = self._real if self._fakes else None
         gated = gate_tensor(self.variant, local, seen, self._expected, self._age, real)
         return StepPlan(reqs, local, seen, gated, fp)
+
+    def _age_input(self, age: np.ndarray) -> np.ndarray | int:
+        """The ages, or 0 when that gives the kernel the same answers: it reads an age only
+        as ``age >= timeout_steps`` (model.spec.kernel, as its gate_table), and ages never
+        increase along the queue (added at 0, all aged together), so when the oldest is
+        below the timeout every request's answer is 0's and the rule folds away."""
+        timeout = self.variant.timeout_steps
+        return age if timeout is not None and age.size and int(age[0]) >= timeout else 0
 
     def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray
                     ) -> list[Committed | Aborted]:
