@@ -112,9 +112,12 @@ class DecodeTransferQueue:
         self.buffers, self.allocator, self.tracer = metadata_buffers, allocator, tracer
         self.exchange = exchange or GlooExchange(gloo_group, collective_timeout_s)
         dev = metadata_buffers.device
+        # the queue is _reqs then _pending; adds join _reqs at the next step, so a step's
+        # plan can hold _reqs itself (no copy) and the lists are replaced, never edited,
+        # while it runs
         self._reqs: list[DecodeRequest] = []
-        self._poll_fns: list[Any] = []                   # bound poll methods, queue order
-        self._pending: list[DecodeRequest] = []          # added, not yet in the tensors
+        self._receivers: list[Any] = []                  # _reqs' receivers, polled per step
+        self._pending: list[DecodeRequest] = []          # added, not yet in _reqs / tensors
         self._slots = _EMPTY_I64.to(dev)
         self._expected = _EMPTY_I64.to(dev)
         self._age = _EMPTY_I64.to(dev)
@@ -139,11 +142,11 @@ class DecodeTransferQueue:
 
     # -- queue contents -------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._reqs)
+        return len(self._reqs) + len(self._pending)
 
     @property
     def queue(self) -> list[DecodeRequest]:
-        return list(self._reqs)
+        return self._reqs + self._pending
 
     @property
     def quarantined(self) -> list[DecodeRequest]:
@@ -172,8 +175,6 @@ class DecodeTransferQueue:
             self._rooms[room] = req.rid
         self._holders[idx] = req.rid
         self._rids.add(req.rid)
-        self._reqs.append(decode_req)
-        self._poll_fns.append(decode_req.kv_receiver.poll)
         self._pending.append(decode_req)
 
     def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
@@ -189,7 +190,7 @@ class DecodeTransferQueue:
         return decode_req
 
     def _sync(self) -> None:
-        """Move pending adds into the per-request tensors (one concatenation per step)."""
+        """Move pending adds into the queue and its per-request tensors (once per step)."""
         if not self._pending:
             return
         new, dev = self._pending, self.buffers.device
@@ -201,6 +202,8 @@ class DecodeTransferQueue:
         self._expected = torch.cat([self._expected, rooms])
         self._real = torch.cat([self._real, real])
         self._age = torch.cat([self._age, torch.zeros(len(new), dtype=torch.int64, device=dev)])
+        self._reqs = self._reqs + new
+        self._receivers = self._receivers + [d.kv_receiver for d in new]
         self._pending = []
         self._fingerprint = None
         self._refresh_views()
@@ -233,8 +236,8 @@ class DecodeTransferQueue:
         """Poll every receiver and gate locally. Changes nothing; a bad poll is kept in
         ``plan.error`` so the rank can still tell its peers before raising."""
         self._sync()
-        reqs = list(self._reqs)
-        polls = [poll() for poll in self._poll_fns]
+        reqs = self._reqs
+        polls = [r.poll() for r in self._receivers]
         if self._fingerprint is None:                 # recomputed only when the queue changed
             self._fingerprint = digest(self._expected)
         fp = self._fingerprint
@@ -287,7 +290,7 @@ class DecodeTransferQueue:
         self._refresh_views()
         keep_list = keep.tolist()
         self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
-        self._poll_fns = [f for f, k in zip(self._poll_fns, keep_list) if k]
+        self._receivers = [r for r, k in zip(self._receivers, keep_list) if k]
         self._trace(plan, reduced, [(r.decode_req.req.rid, int(r.decision),
                                      r.first_token if isinstance(r, Committed) else 0)
                                     for r in results])
