@@ -87,8 +87,9 @@ def _writes_fenced(receiver: Any) -> bool:
 
 @dataclass
 class StepPlan:
-    """The local half of a step: nothing in the queue has changed yet. On cpu the
-    per-request values are numpy arrays (views of the queue's tensors' memory)."""
+    """The local half of a step: nothing in the queue has changed yet. ``reqs`` is the
+    queue's own list (valid until the next ``begin_step``); on cpu the per-request values
+    are numpy arrays."""
     reqs: list[DecodeRequest]
     local: torch.Tensor | np.ndarray
     seen: torch.Tensor | np.ndarray
