@@ -1,18 +1,19 @@
 """The MIN agreement across TP ranks, made impossible to hang or mix silently.
 
-One fixed-shape uint8 all-reduce(MIN) per step (SGLang #36928's proposal): a header,
-then the polls padded to ``capacity`` (the number of metadata slots, an upper bound on
-any queue). The header carries a status byte and the queue's length and content digest
-twice, as bytes and as their complements (255 - b): after a MIN, b_min + c_min == 255 at
-every position iff all ranks sent the same bytes. So one collective both reduces and
-proves the ranks reduced the same queue; on the rare failure a second small collective
+One uint8 all-reduce(MIN) per step, of the same shape on every rank (SGLang #36928's
+proposal): a header, then the polls padded to the shape (``capacity`` for a fixed
+Message; for the queue's AdaptiveMessage a power of two that follows the agreed length).
+The header carries a status byte and the queue's length and content digest twice, as
+bytes and as their complements (255 - b): after a MIN, b_min + c_min == 255 at every
+position iff all ranks sent the same bytes. So one collective both reduces and proves
+the ranks reduced the same queue; on the rare failure a second small collective
 (all_gather) names every rank's length. Every collective waits at most ``timeout_s``.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -67,24 +68,79 @@ class Message:
         self._np = self.buf.numpy()          # same memory; numpy slicing costs less per call
         self._key: tuple | None = None
         self._fingerprint: torch.Tensor | None = None
-        self._header = np.zeros(HEADER, dtype=np.uint8)
+        self._header = b""
+        self._header_np = np.zeros(HEADER, dtype=np.uint8)
 
-    def fill(self, values: torch.Tensor, length: int, fingerprint: torch.Tensor | None,
-             ok: bool) -> torch.Tensor:
+    def fill(self, values: torch.Tensor | np.ndarray, length: int,
+             fingerprint: torch.Tensor | None, ok: bool) -> torch.Tensor:
         if (length, ok) != self._key or fingerprint is not self._fingerprint:
-            self._header = header(length, fingerprint, ok).numpy()
+            self._header_np = header(length, fingerprint, ok).numpy()
+            self._header = self._header_np.tobytes()
             self._key, self._fingerprint = (length, ok), fingerprint
-        self._np[:HEADER] = self._header
-        if ok and length:
-            self._np[HEADER:HEADER + length] = values.numpy()
+        self._np[:HEADER] = self._header_np
+        n = min(length, self.capacity)      # a longer queue sends its length, not its values
+        if ok and n:
+            v = values.numpy() if isinstance(values, torch.Tensor) else values
+            self._np[HEADER:HEADER + n] = v if n == length else v[:n]
         return self.buf
 
+    def agreed(self) -> bool:
+        """After the MIN, in place: did every rank send status 1 and this rank's length and
+        digest? The reduced header equals ours iff so: min(b) == b and min(255 - b) ==
+        255 - b means no rank sent less or more than b."""
+        return self._key is not None and self._key[1] and \
+            self._np[:HEADER].tobytes() == self._header
 
-def encode(values: torch.Tensor, length: int, fingerprint: torch.Tensor | None, ok: bool,
-           capacity: int | None) -> torch.Tensor:
-    """A fresh message: header + values (+ padding to ``capacity``)."""
-    msg = Message(length if capacity is None else capacity)
-    return msg.fill(values.cpu(), length, fingerprint, ok)
+    def reduce(self, exchange: Any, values: torch.Tensor | np.ndarray, length: int,
+               fingerprint: torch.Tensor | None, ok: bool) -> np.ndarray:
+        """One step's collective: fill, MIN in place, check the header. Returns the
+        reduced values (a view into the buffer, valid until the next fill) or raises the
+        error that explains the disagreement on every rank."""
+        if length > self.capacity:
+            raise ValueError(f"queue of {length} exceeds the collective capacity {self.capacity}")
+        exchange.all_reduce_min(self.fill(values, length, fingerprint, ok))
+        if self.agreed():
+            return self._np[HEADER:HEADER + length]
+        disagree(exchange, length, fingerprint, ok)
+
+
+class AdaptiveMessage:
+    """The step message of a queue, shaped by the queue's *agreed* length instead of its
+    capacity: ``shape`` values, a power of two >= MIN_SHAPE. It changes only right after
+    every rank agreed on a length (grows when the length exceeds it, shrinks when the
+    length falls to a quarter), so it is the same function of the same history on every
+    rank and every collective still has the same shape on every rank. A queue longer
+    than the shape sends its header only; once all ranks agree on that length the
+    values go in a second collective of the new shape (rare: doublings only)."""
+
+    MIN_SHAPE = 64
+
+    def __init__(self) -> None:
+        self._msg = Message(self.MIN_SHAPE)
+
+    @property
+    def shape(self) -> int:
+        return self._msg.capacity
+
+    def _next_shape(self, length: int) -> int:
+        shape = self.shape
+        if length > shape or (shape > self.MIN_SHAPE and length <= shape // 4):
+            return max(self.MIN_SHAPE, 1 << max(0, length - 1).bit_length())
+        return shape
+
+    def reduce(self, exchange: Any, values: np.ndarray | torch.Tensor, length: int,
+               fingerprint: torch.Tensor | None, ok: bool) -> np.ndarray:
+        """As ``Message.reduce``; the result is valid until the next call."""
+        msg = self._msg
+        exchange.all_reduce_min(msg.fill(values, length, fingerprint, ok))
+        if not msg.agreed():
+            disagree(exchange, length, fingerprint, ok)
+        shape = self._next_shape(length)          # every rank agreed on length: same shape
+        if shape != msg.capacity:
+            self._msg = Message(shape)
+        if length <= msg.capacity:
+            return msg._np[HEADER:HEADER + length]
+        return self._msg.reduce(exchange, values, length, fingerprint, ok)
 
 
 def read_header(reduced: torch.Tensor) -> Agreement:
@@ -148,6 +204,14 @@ def fingerprint_row(length: int, fingerprint: torch.Tensor | None, ok: bool) -> 
     return [1 if ok else 0, length, int(fingerprint[0]) if fingerprint is not None else 0]
 
 
+def disagree(exchange: Any, length: int, fingerprint: torch.Tensor | None, ok: bool) -> NoReturn:
+    """The ranks did not all send status 1 with the same header: a second, small
+    collective learns every rank's (status, length, digest) and raises the same error
+    on every rank."""
+    raise_disagreement(exchange.all_gather_rows(fingerprint_row(length, fingerprint, ok)))
+    raise AssertionError("unreachable")
+
+
 def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torch.Tensor | None = None,
               ok: bool = True, capacity: int | None = None,
               message: Message | None = None) -> torch.Tensor:
@@ -169,14 +233,7 @@ def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torc
         if agreement.ok and agreement.same:
             body = values.to(torch.uint8).cpu().clone()
             return exchange.all_reduce_min(body) if length else body
-    else:
-        if message is not None and message.capacity == capacity:
-            msg = message.fill(values.cpu(), length, fingerprint, ok)
-        else:
-            msg = encode(values, length, fingerprint, ok, capacity)
-        reduced = exchange.all_reduce_min(msg)
-        agreement = read_header(reduced)
-        if agreement.ok and agreement.same:
-            return reduced[HEADER:HEADER + length]
-    raise_disagreement(exchange.all_gather_rows(fingerprint_row(length, fingerprint, ok)))
-    raise AssertionError("unreachable")
+        disagree(exchange, length, fingerprint, ok)
+    if message is None or message.capacity != capacity:
+        message = Message(capacity)
+    return torch.from_numpy(message.reduce(exchange, values.cpu(), length, fingerprint, ok))

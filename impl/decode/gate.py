@@ -8,6 +8,7 @@ operations the kernel applies to rooms, are the same on both.
 """
 from __future__ import annotations
 
+import dataclasses
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
@@ -22,38 +23,36 @@ from model.spec.variants import Variant, get_variant
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
 POLL_SET = frozenset(int(p) for p in KVPoll)
 _MAX_POLL = max(POLL_SET)
+_POLL_BYTES = bytes(sorted(POLL_SET))
 
 
-def _is_py_bool(x: Any) -> bool:
-    return isinstance(x, bool)
-
-
+# The kernel mixes arrays with Python bools (constant parts of a rule): those fold here
+# instead of becoming array ops. Python's True/False are singletons, so ``is`` tells them
+# from array elements (numpy's bool_ is not a bool).
 def _and(*xs: Any) -> Any:
-    if any(_is_py_bool(x) and not x for x in xs):
-        return False
-    ts = [x for x in xs if not _is_py_bool(x)]
-    if not ts:
-        return True
-    out = ts[0]
-    for t in ts[1:]:
-        out = out & t
+    out: Any = True
+    for x in xs:
+        if x is False:
+            return False
+        if x is not True:
+            out = x if out is True else out & x
     return out
 
 
 def _ite(c: Any, a: Any, b: Any) -> Any:
-    if _is_py_bool(c):
+    if c is True or c is False:
         return a if c else b
     return torch.where(c, a, b)
 
 
 def _np_ite(c: Any, a: Any, b: Any) -> Any:
-    if _is_py_bool(c):
+    if c is True or c is False:
         return a if c else b
     return np.where(c, a, b)
 
 
 def _not(x: Any) -> Any:
-    return (not x) if _is_py_bool(x) else ~x
+    return (x is False) if (x is True or x is False) else ~x
 
 
 TORCH = Ops(ite=_ite, and_=_and, not_=_not, eq=lambda a, b: a == b, ge=lambda a, b: a >= b,
@@ -72,14 +71,6 @@ def _backend(t: torch.Tensor, backend: str | None) -> str:
     return backend
 
 
-def _run(kernel: Callable[..., Any], backend: str, args: tuple) -> Any:
-    """Evaluate a spec kernel on tensors, through numpy views on cpu."""
-    if backend == "torch":
-        return kernel(*args, TORCH)
-    out = kernel(*(a.numpy() if isinstance(a, torch.Tensor) else a for a in args), NUMPY)
-    return torch.from_numpy(np.asarray(out)) if isinstance(out, np.ndarray) else out
-
-
 def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
     """A spec variant by name (or as given), with strict's timeout overridden.
 
@@ -96,7 +87,9 @@ def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,
 
     ``real`` masks out fake transfers, which keep their local poll (no gate).
     ``backend``: "numpy" (default on cpu) or "torch" (default elsewhere)."""
-    gated = _run(gated_poll, _backend(local, backend), (v, local, room_seen, expected, age))
+    if _backend(local, backend) == "numpy":
+        return torch.from_numpy(gate_array(v, *_numpy_views(local, room_seen, expected, age, real)))
+    gated = gated_poll(v, local, room_seen, expected, age, TORCH)
     if not isinstance(gated, torch.Tensor):
         gated = local
     gated = gated.to(torch.uint8) if gated.dtype != torch.uint8 else gated
@@ -109,12 +102,57 @@ def decide_tensor(v: Variant, reduced: torch.Tensor, room_seen: torch.Tensor,
     """Per-request ``Decision`` after the MIN (``kernel.pop_decision`` on tensors).
 
     A fake transfer decides as if its room matched: commit on Success, abort on Failed."""
+    if _backend(reduced, backend) == "numpy":
+        return torch.from_numpy(decide_array(v, *_numpy_views(reduced, room_seen, expected, real)))
     if real is not None:
         room_seen = torch.where(real, room_seen, 1)
         expected = torch.where(real, expected, 1)
-    out = _run(pop_decision, _backend(reduced, backend), (v, reduced, room_seen, expected))
+    out = pop_decision(v, reduced, room_seen, expected, TORCH)
     return out if isinstance(out, torch.Tensor) else torch.full_like(reduced, int(out),
                                                                      dtype=torch.int64)
+
+
+def _numpy_views(*xs: Any) -> tuple:
+    return tuple(x.numpy() if isinstance(x, torch.Tensor) else x for x in xs)
+
+
+def numpy_ops_knowing(array: np.ndarray, value: int) -> Ops:
+    """NUMPY, with ``array == value`` worked out once: for an array that does not change
+    while these Ops are in use (the queue's expected rooms between queue changes). When
+    no element matches, the comparison is Python's False, so the kernel folds the rule
+    that depends on it away instead of evaluating it per element at every step."""
+    known = array == value
+    answer: Any = known if known.any() else False
+
+    def eq(a: Any, b: Any) -> Any:
+        if a is array and type(b) is int and b == value:
+            return answer
+        return a == b
+    return dataclasses.replace(NUMPY, eq=eq)
+
+
+def gate_array(v: Variant, local: np.ndarray, room_seen: np.ndarray, expected: np.ndarray,
+               age: np.ndarray | int = 0, real: np.ndarray | None = None,
+               ops: Ops = NUMPY) -> np.ndarray:
+    """``gate_tensor`` on numpy arrays (cpu tensors' zero-copy views): uint8 gated polls.
+    ``ops``: NUMPY, or ``numpy_ops_knowing`` for this ``expected``."""
+    gated = gated_poll(v, local, room_seen, expected, age, ops)
+    if not isinstance(gated, np.ndarray):
+        gated = local
+    gated = gated if gated.dtype == np.uint8 else gated.astype(np.uint8)
+    return gated if real is None else np.where(real, gated, local)
+
+
+def decide_array(v: Variant, reduced: np.ndarray, room_seen: np.ndarray, expected: np.ndarray,
+                 real: np.ndarray | None = None) -> np.ndarray:
+    """``decide_tensor`` on numpy arrays: int64 ``Decision`` values."""
+    if real is not None:
+        room_seen = np.where(real, room_seen, 1)
+        expected = np.where(real, expected, 1)
+    out = pop_decision(v, reduced, room_seen, expected, NUMPY)
+    if isinstance(out, np.ndarray):
+        return out.astype(np.int64, copy=False)
+    return np.full(reduced.shape, int(out), dtype=np.int64)
 
 
 # Representatives of every (room_seen == 0, room_seen == expected, expected == 0) case the
@@ -130,21 +168,27 @@ def may_pop(v: Variant) -> np.ndarray:
                      for r in range(_MAX_POLL + 1)], dtype=bool)
 
 
-def check_polls(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
-    """The polls as a uint8 tensor, refusing anything that is not a KVPoll int.
+def poll_bytes(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> bytearray:
+    """The polls as bytes, refusing anything that is not a KVPoll int.
 
-    ``bytearray`` does the type and 0..255 check at C speed (a bool counts as the int it
-    is); the slow loop only runs to name the offender."""
+    ``bytearray`` does the type and 0..255 check and ``translate`` the KVPoll check, both
+    at C speed (a bool counts as the int it is); the slow loop only names the offender."""
     try:
         raw = bytearray(polls)
-        if not raw or max(raw) <= _MAX_POLL:
-            return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if not raw.translate(None, _POLL_BYTES):       # nothing left once valid polls go
+            return raw
     except (TypeError, ValueError):
         pass
     for i, p in enumerate(polls):
         if not isinstance(p, int) or int(p) not in POLL_SET:
             raise BadPollValue(rid_of(i) if rid_of is not None else None, p)
     raise AssertionError("unreachable")
+
+
+def check_polls(polls: Sequence[Any], rid_of: Callable[[int], str] | None = None) -> torch.Tensor:
+    """The polls as a uint8 tensor (see ``poll_bytes``)."""
+    raw = poll_bytes(polls, rid_of)
+    return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
 _SLOT = attrgetter("metadata_buffer_index")

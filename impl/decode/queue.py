@@ -10,15 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 from impl.decode.buffers import MetadataBuffers, SlotAllocator
-from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, agree_min, digest
+from impl.decode.collective import AdaptiveMessage, DEFAULT_TIMEOUT_S, GlooExchange, digest
 from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, DuplicateRequest,
                                 DuplicateRoom, PeerAbortedStep, RoomOutOfRange, SlotInUse,
                                 SlotNotAllocated, ZeroRoom)
-from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_tensor,
-                              may_pop, resolve_variant)
+from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_array,
+                              gate_tensor, may_pop, numpy_ops_knowing, poll_bytes,
+                              resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -85,11 +87,13 @@ def _writes_fenced(receiver: Any) -> bool:
 
 @dataclass
 class StepPlan:
-    """The local half of a step: nothing in the queue has changed yet."""
+    """The local half of a step: nothing in the queue has changed yet. ``reqs`` is the
+    queue's own list (valid until the next ``begin_step``); on cpu the per-request values
+    are numpy arrays."""
     reqs: list[DecodeRequest]
-    local: torch.Tensor
-    seen: torch.Tensor
-    gated: torch.Tensor
+    local: torch.Tensor | np.ndarray
+    seen: torch.Tensor | np.ndarray
+    gated: torch.Tensor | np.ndarray
     fingerprint: torch.Tensor
     error: DecodeInputError | None = None
 
@@ -109,9 +113,12 @@ class DecodeTransferQueue:
         self.buffers, self.allocator, self.tracer = metadata_buffers, allocator, tracer
         self.exchange = exchange or GlooExchange(gloo_group, collective_timeout_s)
         dev = metadata_buffers.device
+        # the queue is _reqs then _pending; adds join _reqs at the next step, so a step's
+        # plan can hold _reqs itself (no copy) and the lists are replaced, never edited,
+        # while it runs
         self._reqs: list[DecodeRequest] = []
-        self._poll_fns: list[Any] = []                   # bound poll methods, queue order
-        self._pending: list[DecodeRequest] = []          # added, not yet in the tensors
+        self._receivers: list[Any] = []                  # _reqs' receivers, polled per step
+        self._pending: list[DecodeRequest] = []          # added, not yet in _reqs / tensors
         self._slots = _EMPTY_I64.to(dev)
         self._expected = _EMPTY_I64.to(dev)
         self._age = _EMPTY_I64.to(dev)
@@ -121,18 +128,26 @@ class DecodeTransferQueue:
         self._rids: set[str] = set()                     # queued request ids
         self._fakes = 0                                  # queued fake transfers
         self._fingerprint: torch.Tensor | None = None    # digest of the queue, cached
-        self._message = Message(metadata_buffers.size)   # the step's collective buffer
-        self._may_pop = may_pop(self.variant)            # reduced value -> can anything leave
+        self._message = AdaptiveMessage()                # the step's collective buffer
+        # reduced values after which nothing can leave, as bytes: "can anything pop?"
+        # is then one C-level bytes.translate on the reduced polls
+        self._stay = bytes(np.flatnonzero(~may_pop(self.variant)).tolist())
+        # on cpu the step runs on numpy views of the per-request tensors (one numpy op
+        # costs a fraction of a torch op at these sizes); refreshed when they change
+        self._on_cpu = dev.type == "cpu"
+        self._room_np = metadata_buffers.room_column.numpy() if self._on_cpu else None
+        self._views: tuple = ()
+        self._refresh_views()
         self._quarantine: list[DecodeRequest] = []
         self.steps = 0
 
     # -- queue contents -------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._reqs)
+        return len(self._reqs) + len(self._pending)
 
     @property
     def queue(self) -> list[DecodeRequest]:
-        return list(self._reqs)
+        return self._reqs + self._pending
 
     @property
     def quarantined(self) -> list[DecodeRequest]:
@@ -161,8 +176,6 @@ class DecodeTransferQueue:
             self._rooms[room] = req.rid
         self._holders[idx] = req.rid
         self._rids.add(req.rid)
-        self._reqs.append(decode_req)
-        self._poll_fns.append(decode_req.kv_receiver.poll)
         self._pending.append(decode_req)
 
     def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
@@ -178,7 +191,7 @@ class DecodeTransferQueue:
         return decode_req
 
     def _sync(self) -> None:
-        """Move pending adds into the per-request tensors (one concatenation per step)."""
+        """Move pending adds into the queue and its per-request tensors (once per step)."""
         if not self._pending:
             return
         new, dev = self._pending, self.buffers.device
@@ -190,18 +203,27 @@ class DecodeTransferQueue:
         self._expected = torch.cat([self._expected, rooms])
         self._real = torch.cat([self._real, real])
         self._age = torch.cat([self._age, torch.zeros(len(new), dtype=torch.int64, device=dev)])
+        self._reqs = self._reqs + new
+        self._receivers = self._receivers + [d.kv_receiver for d in new]
         self._pending = []
         self._fingerprint = None
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        if self._on_cpu:
+            expected = self._expected.numpy()
+            self._views = (self._slots.numpy(), expected, self._age.numpy(), self._real.numpy())
+            self._ops = numpy_ops_knowing(expected, 0)    # "expected room is 0", once per change
 
     # -- one protocol step ----------------------------------------------------------
     def pop_transferred(self) -> list[Committed | Aborted]:
         """One scheduler step on this rank; every rank of the group must call it."""
         self.release_fenced()
         plan = self.begin_step()
+        values = plan.gated.cpu() if isinstance(plan.gated, torch.Tensor) else plan.gated
         try:
-            reduced = agree_min(self.exchange, plan.gated, fingerprint=plan.fingerprint,
-                                ok=plan.error is None, capacity=self.buffers.size,
-                                message=self._message)
+            reduced = self._message.reduce(self.exchange, values, len(values), plan.fingerprint,
+                                           plan.error is None)
         except PeerAbortedStep:
             if plan.error is not None:
                 raise plan.error from None
@@ -215,29 +237,49 @@ class DecodeTransferQueue:
         """Poll every receiver and gate locally. Changes nothing; a bad poll is kept in
         ``plan.error`` so the rank can still tell its peers before raising."""
         self._sync()
-        reqs = list(self._reqs)
-        polls = [poll() for poll in self._poll_fns]
+        reqs = self._reqs
+        polls = [r.poll() for r in self._receivers]
         if self._fingerprint is None:                 # recomputed only when the queue changed
             self._fingerprint = digest(self._expected)
         fp = self._fingerprint
         try:
-            local = check_polls(polls, lambda i: reqs[i].req.rid).to(self.buffers.device)
+            raw = poll_bytes(polls, lambda i: reqs[i].req.rid)
         except DecodeInputError as exc:
-            empty = torch.empty(0, dtype=torch.uint8)
-            return StepPlan(reqs, empty, _EMPTY_I64, empty, fp, exc)
+            empty = np.empty(0, dtype=np.uint8)
+            return StepPlan(reqs, empty, empty, empty, fp, exc)
+        if self._on_cpu:
+            slots, expected, age, real = self._views
+            local = np.frombuffer(raw, dtype=np.uint8)
+            seen = self._room_np[slots]                                   # the one gather
+            gated = gate_array(self.variant, local, seen, expected, self._age_input(age),
+                               real if self._fakes else None,  # skip the mask when all are real
+                               self._ops)
+            return StepPlan(reqs, local, seen, gated, fp)
+        local = check_polls(raw).to(self.buffers.device)
         seen = self.buffers.room_column.index_select(0, self._slots)     # the one gather
-        real = self._real if self._fakes else None       # skip the mask when all are real
+        real = self._real if self._fakes else None
         gated = gate_tensor(self.variant, local, seen, self._expected, self._age, real)
         return StepPlan(reqs, local, seen, gated, fp)
 
-    def finish_step(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
+    def _age_input(self, age: np.ndarray) -> np.ndarray | int:
+        """The ages, or 0 when that gives the kernel the same answers: it reads an age only
+        as ``age >= timeout_steps`` (model.spec.kernel, as its gate_table), and ages never
+        increase along the queue (added at 0, all aged together), so when the oldest is
+        below the timeout every request's answer is 0's and the rule folds away."""
+        timeout = self.variant.timeout_steps
+        return age if timeout is not None and age.size and int(age[0]) >= timeout else 0
+
+    def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray
+                    ) -> list[Committed | Aborted]:
         """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
         if plan.error is not None:
             raise plan.error
-        if not self._may_pop[reduced.numpy()].any():      # no MIN value can pop anything
+        reduced = reduced.numpy() if isinstance(reduced, torch.Tensor) else reduced
+        if not reduced.tobytes().translate(None, self._stay):   # no MIN value can pop anything
             return self._keep_all(plan, reduced)
-        reduced = reduced.to(self.buffers.device)
-        decisions = decide_tensor(self.variant, reduced, plan.seen, self._expected, self._real)
+        reduced = torch.from_numpy(reduced).to(self.buffers.device)
+        decisions = decide_tensor(self.variant, reduced, torch.as_tensor(plan.seen),
+                                  self._expected, self._real)
         leave = decisions != int(Decision.KEEP)
         if not bool(leave.any()):
             return self._keep_all(plan, reduced)
@@ -246,17 +288,22 @@ class DecodeTransferQueue:
         self._fingerprint = None
         self._slots, self._expected = self._slots[keep], self._expected[keep]
         self._real, self._age = self._real[keep], self._age[keep] + 1
+        self._refresh_views()
         keep_list = keep.tolist()
         self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
-        self._poll_fns = [f for f, k in zip(self._poll_fns, keep_list) if k]
+        self._receivers = [r for r, k in zip(self._receivers, keep_list) if k]
         self._trace(plan, reduced, [(r.decode_req.req.rid, int(r.decision),
                                      r.first_token if isinstance(r, Committed) else 0)
                                     for r in results])
         self.steps += 1
         return results
 
-    def _keep_all(self, plan: StepPlan, reduced: torch.Tensor) -> list[Committed | Aborted]:
-        self._age += 1
+    def _keep_all(self, plan: StepPlan, reduced: Any) -> list[Committed | Aborted]:
+        if self._on_cpu:
+            age = self._views[2]              # the age tensor, through its numpy view
+            age += 1
+        else:
+            self._age += 1
         self._trace(plan, reduced, ())
         self.steps += 1
         return []
@@ -333,7 +380,7 @@ class DecodeTransferQueue:
                hang: tuple[int, ...] | None = None, error: str | None = None) -> None:
         if self.tracer is None:
             return
-        as_list = (lambda t: tuple(t.tolist()) if isinstance(t, torch.Tensor) else tuple(t))
+        as_list = (lambda t: tuple(t.tolist()) if hasattr(t, "tolist") else tuple(t))
         self.tracer.record(StepTrace(self.steps, tuple(d.req.rid for d in plan.reqs),
                                      as_list(plan.local), as_list(plan.gated), as_list(reduced),
                                      tuple(tuple(p) for p in popped), hang, error))

@@ -2,6 +2,7 @@
 exactly as it was, disagreement raises on every rank at once, strict's rules hold."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from impl.decode import (Aborted, BadPollValue, CollectiveLengthMismatch, Commit
                          DuplicateRoom, FAKE_BOOTSTRAP_HOST, MetadataBuffers, PeerAbortedStep,
                          QueueContentMismatch, Req, SlotAllocator, SlotInUse, SlotOutOfRange,
                          ZeroRoom)
+from impl.decode.collective import AdaptiveMessage, digest
 from impl.decode.lockstep import LockstepGroup, run_ranks
 from impl.scripted import ScriptedReceiver
 from model.spec import KVPoll
@@ -17,11 +19,17 @@ from model.spec import KVPoll
 SUCCESS, FAILED = int(KVPoll.Success), int(KVPoll.Failed)
 
 
-def make(ranks=2, slots=4, variant="strict", timeout_steps=None):
+def make(ranks=2, slots=4, variant="strict", timeout_steps=None, torch_path=False):
     g = LockstepGroup(ranks, timeout_s=5)
-    return [DecodeTransferQueue(None, MetadataBuffers(slots), SlotAllocator(slots), variant,
-                                timeout_steps=timeout_steps, exchange=g.exchange(k))
-            for k in range(ranks)]
+    qs = [DecodeTransferQueue(None, MetadataBuffers(slots), SlotAllocator(slots), variant,
+                              timeout_steps=timeout_steps, exchange=g.exchange(k))
+          for k in range(ranks)]
+    for q in qs:        # the path device (cuda) buffers take, exercised here on cpu tensors
+        q._on_cpu = not torch_path
+    return qs
+
+
+both_paths = pytest.mark.parametrize("torch_path", [False, True], ids=["numpy", "torch"])
 
 
 def snap(q):
@@ -62,8 +70,9 @@ def test_bad_adds_raise_typed_errors_and_change_nothing(bad, error):
     assert same(before, snap(q))
 
 
-def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged():
-    qs = make(2)
+@both_paths
+def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged(torch_path):
+    qs = make(2, torch_path=torch_path)
     ds = enqueue_all(qs, "a", 11)
     step(qs)
     ds[1].kv_receiver.state = 7
@@ -74,8 +83,9 @@ def test_bad_poll_raises_locally_and_peers_abort_the_step_unchanged():
     assert all(same(b, snap(q)) for b, q in zip(before, qs))
 
 
-def test_commit_reads_the_row_and_frees_the_zeroed_slot():
-    qs = make(2, variant="gate")
+@both_paths
+def test_commit_reads_the_row_and_frees_the_zeroed_slot(torch_path):
+    qs = make(2, variant="gate", torch_path=torch_path)
     ds = enqueue_all(qs, "a", 2**64 - 3)
     for q, d in zip(qs, ds):
         d.kv_receiver.state = SUCCESS
@@ -91,15 +101,17 @@ def test_commit_reads_the_row_and_frees_the_zeroed_slot():
         assert q.buffers.read_room(0) == 0 and q.allocator.free_list()[-1] == 0
 
 
-def test_fake_transfers_bypass_the_gate():
-    qs = make(2)
+@both_paths
+def test_fake_transfers_bypass_the_gate(torch_path):
+    qs = make(2, torch_path=torch_path)
     ds = [q.enqueue(Req("f", 0, FAKE_BOOTSTRAP_HOST), ScriptedReceiver(SUCCESS)) for q in qs]
     out = step(qs)
     assert all(isinstance(r[0], Committed) for r in out)
 
 
-def test_strict_timeout_aborts_on_every_rank_in_the_same_step():
-    qs = make(3, timeout_steps=2)
+@both_paths
+def test_strict_timeout_aborts_on_every_rank_in_the_same_step(torch_path):
+    qs = make(3, timeout_steps=2, torch_path=torch_path)
     ds = enqueue_all(qs, "a", 5)
     for d in ds:
         d.kv_receiver.state = SUCCESS       # KV done, the metadata never lands
@@ -142,3 +154,61 @@ def test_same_length_other_requests_raise_content_mismatch():
     qs[1].enqueue(Req("b", 6), ScriptedReceiver())
     out = step(qs)
     assert all(isinstance(e, QueueContentMismatch) for e in out)
+
+
+def _adaptive_round(group, lengths, values_of=lambda k, n: [k % 5] * n):
+    """One AdaptiveMessage.reduce per rank; records every collective's size."""
+    sizes = []
+
+    class Recording:
+        def __init__(self, ex):
+            self.ex = ex
+
+        def all_reduce_min(self, msg):
+            sizes.append(msg.numel())
+            return self.ex.all_reduce_min(msg)
+
+        def all_gather_rows(self, row):
+            return self.ex.all_gather_rows(row)
+
+    def rank(k, msg):
+        vals = np.array(values_of(k, lengths[k]), dtype=np.uint8)
+        fp = digest(torch.arange(lengths[k], dtype=torch.int64))
+        return lambda: msg.reduce(Recording(group.exchange(k)), vals, lengths[k], fp, True)
+    return rank, sizes
+
+
+def test_adaptive_message_follows_the_agreed_length_and_stays_same_shape_on_every_rank():
+    g = LockstepGroup(2, timeout_s=5)
+    msgs = [AdaptiveMessage() for _ in range(2)]
+    header = 25
+    # (length, shape after): grows past the shape, shrinks once at a quarter
+    for n, shape_after in [(3, 64), (64, 64), (65, 128), (300, 512), (200, 512), (128, 128),
+                           (100, 128), (0, 64)]:
+        before = msgs[0].shape
+        rank, sizes = _adaptive_round(g, [n, n])
+        out = run_ranks([rank(k, m) for k, m in enumerate(msgs)])
+        assert [o.tolist() for o in out] == [[0] * n] * 2            # the MIN of 0s and 1s
+        assert [m.shape for m in msgs] == [shape_after] * 2
+        grew = [before + header] * 2 + [shape_after + header] * 2   # header only, then values
+        assert sorted(sizes) == (sorted(grew) if n > before else [before + header] * 2)
+    # lengths on both sides of the shape: one header-only collective, then the mismatch
+    rank, sizes = _adaptive_round(g, [64, 65])
+    out = run_ranks([rank(k, m) for k, m in enumerate(msgs)])
+    assert all(isinstance(o, CollectiveLengthMismatch) and "rank 0: 64, rank 1: 65" in str(o)
+               for o in out)
+    assert [m.shape for m in msgs] == [64, 64] and len(sizes) == 2
+
+
+def test_a_queue_longer_than_the_message_grows_it_and_still_pops_right():
+    qs = make(2, slots=300, variant="gate")
+    for i in range(200):
+        enqueue_all(qs, f"r{i}", 1000 + i)
+    assert step(qs) == [[], []]                                   # grew 64 -> 256
+    assert [q._message.shape for q in qs] == [256, 256]
+    for q in qs:
+        d = q.queue[150]
+        d.kv_receiver.state = SUCCESS
+        land(q, d, 7)
+    out = step(qs)
+    assert [[(r.decode_req.req.rid, r.first_token) for r in o] for o in out] == [[("r150", 7)]] * 2
