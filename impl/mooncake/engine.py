@@ -8,6 +8,7 @@ errors. It owns no sockets or threads of its own.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ class Engine:
         self.host = host
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
         self._regions: dict[int, Region] = {}
+        self._starts: list[int] = []          # sorted region addresses, for bisect
         self._lock = threading.Lock()
 
     # -- registration -------------------------------------------------------------
@@ -98,6 +100,7 @@ class Engine:
             if rc != 0:
                 raise RegistrationError(f"register {name}: register_memory returned {rc}")
             self._regions[addr] = region
+            bisect.insort(self._starts, addr)
         return region
 
     def unregister(self, region: Region) -> None:
@@ -106,6 +109,7 @@ class Engine:
                 raise RegistrationError(f"unregister {region.name}: not registered")
             rc = self._te.unregister_memory(region.addr)
             del self._regions[region.addr]
+            self._starts.remove(region.addr)
         if rc != 0:
             raise RegistrationError(f"unregister {region.name}: unregister_memory returned {rc}")
 
@@ -113,13 +117,22 @@ class Engine:
         with self._lock:
             return sorted(self._regions.values(), key=lambda r: r.addr)
 
+    def _holder(self, addr: int, nbytes: int) -> Region | None:
+        """The region holding ``[addr, addr+nbytes)`` (regions never overlap, so only the
+        last one starting at or below ``addr`` can); caller holds the lock."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        r = self._regions[self._starts[i]]
+        return r if r.contains(addr, nbytes) else None
+
     def check_local(self, addr: int, nbytes: int) -> Region:
         """The registered region holding the whole local range, else RegistrationError."""
         with self._lock:
-            for r in self._regions.values():
-                if r.contains(addr, nbytes):
-                    return r
-        raise RegistrationError(f"local range {addr:#x}+{nbytes} is not inside a registered region")
+            r = self._holder(addr, nbytes)
+        if r is None:
+            raise RegistrationError(f"local range {addr:#x}+{nbytes} is not inside a registered region")
+        return r
 
     # -- transfers ----------------------------------------------------------------
     def write(self, session: str, writes: Sequence[Write]) -> None:
@@ -129,10 +142,13 @@ class Engine:
         """
         if not writes:
             return
-        for w in writes:
-            if w.nbytes <= 0 or w.dst <= 0:
-                raise RegistrationError(f"write to {session}: bad entry {w}")
-            self.check_local(w.src, w.nbytes)
+        with self._lock:              # one lock for the batch: this is the writer's hot path
+            for w in writes:
+                if w.nbytes <= 0 or w.dst <= 0:
+                    raise RegistrationError(f"write to {session}: bad entry {w}")
+                if self._holder(w.src, w.nbytes) is None:
+                    raise RegistrationError(f"local range {w.src:#x}+{w.nbytes} is not inside "
+                                            f"a registered region")
         rc = self._te.batch_transfer_sync_write(
             session, [w.src for w in writes], [w.dst for w in writes], [w.nbytes for w in writes])
         if rc != 0:
