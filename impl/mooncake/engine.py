@@ -11,11 +11,23 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 # Quiet glog (~10 lines per engine otherwise); callers may override before import.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+YIELD_POLL_S = 150e-6     # a write's first 150 us: poll with sched_yield, then sleep
+
+
+def transfer_timeout_s() -> float:
+    """Mooncake's own bound on one transfer (MC_TRANSFER_TIMEOUT, default 30 s)."""
+    try:
+        return max(1.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))
+    except ValueError:
+        return 30.0
 
 
 class MooncakeError(RuntimeError):
@@ -136,9 +148,14 @@ class Engine:
 
     # -- transfers ----------------------------------------------------------------
     def write(self, session: str, writes: Sequence[Write]) -> None:
-        """One batched synchronous write; every local range is checked first.
+        """Write every range and return once all of them landed; local ranges are checked
+        first. Raises RegistrationError before anything is sent, TransferError if Mooncake
+        fails any range (after every submitted range finished: nothing is left in flight).
 
-        Raises RegistrationError before anything is sent, TransferError if Mooncake fails.
+        Each range is submitted on its own (``transfer_submit_write``) and the wait sleeps
+        between status checks: ``batch_transfer_sync_write`` busy-waits a whole core until
+        the batch completes (measured: caller CPU = wall time), which on a small host takes
+        that core from the transport threads and the decode ranks that do the real work.
         """
         if not writes:
             return
@@ -149,12 +166,44 @@ class Engine:
                 if self._holder(w.src, w.nbytes) is None:
                     raise RegistrationError(f"local range {w.src:#x}+{w.nbytes} is not inside "
                                             f"a registered region")
-        rc = self._te.batch_transfer_sync_write(
-            session, [w.src for w in writes], [w.dst for w in writes], [w.nbytes for w in writes])
-        if rc != 0:
+        ids, bad = [], None
+        for w in writes:
+            tid = self._te.transfer_submit_write(session, w.src, w.dst, w.nbytes)
+            if tid < 0:
+                bad = f"submit failed with code {tid}"
+                break
+            ids.append(tid)
+        failed = self._wait_all(ids)
+        if bad or failed:
             total = sum(w.nbytes for w in writes)
-            raise TransferError(f"batch write of {len(writes)} ranges ({total} bytes) to {session} "
-                                f"failed with code {rc}")
+            raise TransferError(f"write of {len(writes)} ranges ({total} bytes) to {session} "
+                                f"failed: {bad or failed}")
+
+    def _wait_all(self, ids: list[int]) -> str | None:
+        """Wait until every submitted transfer finished; None if all succeeded, else why
+        not. Mooncake fails a transfer after MC_TRANSFER_TIMEOUT; our own bound is a
+        little longer, so it only trips if Mooncake itself stops answering."""
+        start = time.monotonic()
+        deadline = start + transfer_timeout_s() + 5.0
+        failed = None
+        for tid in ids:
+            nap = 20e-6
+            while True:
+                st = self._te.transfer_check_status(tid)
+                if st == 1:
+                    break
+                if st < 0:
+                    failed = failed or f"transfer failed with code {st}"
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    return f"transfer still pending after {transfer_timeout_s() + 5.0:g} s"
+                if now - start < YIELD_POLL_S:    # small writes finish within this: no sleep
+                    os.sched_yield()              # overshoot, and others still get the core
+                else:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 1e-4)
+        return failed
 
     def raw_batch_write(self, session: str, writes: Sequence[Write]) -> int:
         """Mooncake's batch_transfer_sync_write with no checks: the benchmark baseline."""
