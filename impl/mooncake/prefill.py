@@ -329,19 +329,23 @@ class PrefillServer:
             self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
 
     # -- the benchmark baseline and shutdown ----------------------------------------------
-    def raw_baseline(self) -> tuple[int, float]:
-        """Replay every batch written since the last call (KV, payload rows, rooms) with raw
-        batch_transfer_sync_write, one after another, in the same order; returns
-        (bytes, seconds). Only while the decode side is idle: it rewrites their buffers."""
+    def raw_baseline(self) -> tuple[int, float, float]:
+        """Replay every batch written since the last call (KV, payload rows, rooms), in the
+        same order, one after another: first with raw batch_transfer_sync_write, then with
+        the submit-and-wait primitive ``Engine.write`` uses; returns (bytes, sync seconds,
+        submit seconds). Only while the decode side is idle: it rewrites their buffers."""
         with self._lock:
             log_ = self.write_log[self._replayed:]
             self._replayed = len(self.write_log)
-        nbytes, t0 = 0, time.perf_counter()
+        nbytes = sum(w.nbytes for _, writes in log_ for w in writes)
+        t0 = time.perf_counter()
         for session, writes in log_:
             if self.engine.raw_batch_write(session, writes) != 0:
                 raise MooncakeError(f"baseline write to {session} failed")
-            nbytes += sum(w.nbytes for w in writes)
-        return nbytes, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for session, writes in log_:
+            self.engine.submit_and_wait(session, writes)
+        return nbytes, t1 - t0, time.perf_counter() - t1
 
     def idle(self) -> bool:
         with self._lock:

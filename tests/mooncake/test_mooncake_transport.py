@@ -59,6 +59,25 @@ def test_engine_turns_bad_remote_range_into_transfer_error(engines):
         de.unregister(rd)
 
 
+
+def test_engine_write_waits_for_every_range_before_reporting_a_failure(engines):
+    """One bad range among good ones: TransferError, and every good range has landed by
+    then (nothing of the write is still in flight when the caller fences)."""
+    pe, de = engines
+    src = (np.arange(3 * 4096) % 251 + 1).astype(np.uint8)
+    dst = np.zeros(3 * 4096, np.uint8)
+    rs, rd = pe.register("src", src.ctypes.data, src.nbytes), de.register("dst", dst.ctypes.data, dst.nbytes)
+    try:
+        good = [Write(src.ctypes.data + k * 4096, dst.ctypes.data + k * 4096, 4096) for k in (0, 2)]
+        bad = Write(src.ctypes.data + 4096, dst.ctypes.data + dst.nbytes - 100, 4096)
+        with pytest.raises(TransferError, match="3 ranges"):
+            pe.write(de.session_id, [good[0], bad, good[1]])
+        assert np.array_equal(dst[:4096], src[:4096])
+        assert np.array_equal(dst[8192:], src[8192:])
+    finally:
+        pe.unregister(rs)
+        de.unregister(rd)
+
 def test_requests_land_byte_exact_with_room_last(link):
     server, rank, specs = link
     started = []
