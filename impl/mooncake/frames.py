@@ -65,9 +65,6 @@ class FieldLayout:
     item_bytes: int
     slots: int
 
-    def row_addr(self, slot: int) -> int:
-        return self.addr + slot * self.item_bytes
-
 
 @dataclass(frozen=True)
 class Hello:

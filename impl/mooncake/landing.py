@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from impl.decode import MetadataBuffers
 from impl.mooncake.receiver import MooncakeKVReceiver
 from impl.mooncake.synth import ROOM_FIELD, RequestSpec
@@ -81,6 +83,10 @@ class Landing:
     def observe(self, now: float) -> list[Event]:
         """One step boundary: the events this rank sees now, in the order it sees them."""
         events: list[Event] = []
+        if not self._tracked:
+            return events
+        # Every room at once (one device->host copy on CUDA; a view on CPU), as uint64.
+        rooms = self.landing.room_column.cpu().numpy().view(np.uint64)
         for t in list(self._tracked.values()):
             r, idx = self.rank, t.spec.index
             seen = t.receiver.observe()
@@ -89,7 +95,7 @@ class Landing:
                     events.append(KvDone(r, idx))
                 elif seen.failed:
                     events.append(Fail(r, idx))
-            if not t.done and self.landing.read_room(t.slot) == t.spec.room:
+            if not t.done and int(rooms[t.slot]) == t.spec.room:
                 # The room is written only after the payload write returned, so the
                 # payload is complete: copy the row, room last.
                 self._copy_row(t.slot)

@@ -32,10 +32,24 @@ class Faults:
     stall_s: float = 0.0          # sleep between the KV and the metadata writes (kill window)
 
 
+@dataclass(frozen=True)
+class _FieldCopy:
+    """One metadata field's copy for any (request row, slot): precomputed addresses."""
+    src_base: int           # this prefill's rows of the field
+    dst_base: int           # the decode rank's landing rows
+    item_bytes: int
+
+    def write(self, row: int, slot: int) -> Write:
+        return Write(self.src_base + row * self.item_bytes,
+                     self.dst_base + slot * self.item_bytes, self.item_bytes)
+
+
 @dataclass
 class _Rank:
     hello: fr.Hello
     push: zmq.Socket
+    payload: tuple[_FieldCopy, ...] = ()
+    room: tuple[_FieldCopy, ...] = ()
 
 
 @dataclass
@@ -85,7 +99,8 @@ class PrefillServer:
                 self._src[off:off + n] = kv_bytes(s, r, page_bytes).reshape(-1)
                 self._src_at[(s.room, r)] = off
                 off += n
-        self._regions = [engine.register("prefill-kv", self._src.ctypes.data, self._src.nbytes)]
+        self._src_base = self._src.ctypes.data
+        self._regions = [engine.register("prefill-kv", self._src_base, self._src.nbytes)]
         self._meta: dict[str, np.ndarray] = {}          # field -> (requests, item_bytes) rows
         self._row_of = {s.room: i for i, s in enumerate(specs)}
         self._ranks: dict[int, _Rank] = {}
@@ -183,7 +198,11 @@ class PrefillServer:
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDHWM, 100000)
             push.connect(hello.status_endpoint)
-            self._ranks[hello.rank] = _Rank(hello, push)
+            copies = {f.name: _FieldCopy(self._meta[f.name].ctypes.data, f.addr, f.item_bytes)
+                      for f in hello.fields}
+            self._ranks[hello.rank] = _Rank(
+                hello, push, tuple(c for n, c in copies.items() if n != ROOM_FIELD),
+                (copies[ROOM_FIELD],))
         return hello.rank
 
     def _build_rows(self, name: str, item_bytes: int) -> np.ndarray:
@@ -235,16 +254,14 @@ class PrefillServer:
 
     # -- the writes ----------------------------------------------------------------------
     def kv_writes(self, job: _Job) -> list[Write]:
-        hello, base = self._ranks[job.rank].hello, self._src.ctypes.data
-        off = self._src_at[(job.spec.room, job.rank)]
-        return merge_runs([Write(base + off + j * self.page_bytes,
-                                 hello.kv_addr + p * self.page_bytes, self.page_bytes)
+        kv_addr, pb = self._ranks[job.rank].hello.kv_addr, self.page_bytes
+        src = self._src_base + self._src_at[(job.spec.room, job.rank)]
+        return merge_runs([Write(src + j * pb, kv_addr + p * pb, pb)
                            for j, p in enumerate(job.xfer.pages)])
 
     def _meta_writes(self, job: _Job, room_field: bool) -> list[Write]:
-        hello, row = self._ranks[job.rank].hello, self._row_of[job.spec.room]
-        return [Write(self._meta[f.name][row].ctypes.data, f.row_addr(job.xfer.slot), f.item_bytes)
-                for f in hello.fields if (f.name == ROOM_FIELD) == room_field]
+        r, row = self._ranks[job.rank], self._row_of[job.spec.room]
+        return [c.write(row, job.xfer.slot) for c in (r.room if room_field else r.payload)]
 
     def _worker(self) -> None:
         while True:
@@ -312,19 +329,23 @@ class PrefillServer:
             self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
 
     # -- the benchmark baseline and shutdown ----------------------------------------------
-    def raw_baseline(self) -> tuple[int, float]:
-        """Replay every batch written since the last call (KV, payload rows, rooms) with raw
-        batch_transfer_sync_write, one after another, in the same order; returns
-        (bytes, seconds). Only while the decode side is idle: it rewrites their buffers."""
+    def raw_baseline(self) -> tuple[int, float, float]:
+        """Replay every batch written since the last call (KV, payload rows, rooms), in the
+        same order, one after another: first with raw batch_transfer_sync_write, then with
+        the submit-and-wait primitive ``Engine.write`` uses; returns (bytes, sync seconds,
+        submit seconds). Only while the decode side is idle: it rewrites their buffers."""
         with self._lock:
             log_ = self.write_log[self._replayed:]
             self._replayed = len(self.write_log)
-        nbytes, t0 = 0, time.perf_counter()
+        nbytes = sum(w.nbytes for _, writes in log_ for w in writes)
+        t0 = time.perf_counter()
         for session, writes in log_:
             if self.engine.raw_batch_write(session, writes) != 0:
                 raise MooncakeError(f"baseline write to {session} failed")
-            nbytes += sum(w.nbytes for w in writes)
-        return nbytes, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for session, writes in log_:
+            self.engine.submit_and_wait(session, writes)
+        return nbytes, t1 - t0, time.perf_counter() - t1
 
     def idle(self) -> bool:
         with self._lock:

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                            "idle": server.idle(), "write_seconds": server.write_seconds,
                            "write_span_seconds": max(0.0, server.last_write - server.first_write)}
                 elif cmd == "baseline" and args.allow_baseline:
-                    nbytes, seconds = server.raw_baseline()
-                    out = {"bytes": nbytes, "seconds": seconds}
+                    nbytes, seconds, submit_seconds = server.raw_baseline()
+                    out = {"bytes": nbytes, "seconds": seconds, "submit_seconds": submit_seconds}
                 else:
                     out = {"error": f"unknown command {cmd[:40]!r}"}
                 print(json.dumps(out), flush=True)

@@ -87,7 +87,8 @@ class DecodeRank:
         self.results: list[dict[str, Any]] = []
         self.step_starts: list[float] = []
         self.phase: list[dict[str, Any]] = []      # outcomes since the last idle report
-        self.unchecked: dict[int, dict[str, Any]] = {}   # committed, KV not yet checked
+        self.unchecked: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        # ^ committed, row and KV not yet checked: (outcome record, the row read at commit)
         self.held: dict[int, Tracked] = {}               # ...and left the landing tracker
         self.busy = False                          # served requests not all decided yet
         self.stdin = StdinLines()
@@ -166,31 +167,29 @@ class DecodeRank:
                "decision": res.decision.name.lower(), "t_pop": time.monotonic(),
                "t_last_byte": t.t_last_byte, "local": t.receiver.poll(), "t_enq": t.t_enq}
         if isinstance(res, Committed):
-            rec.update(self.check_row(t, res))
-            self.unchecked[idx] = rec
+            rec.update(token_ok=res.first_token == t.spec.first_token, row_ok=None, kv_ok=None,
+                       kv_bytes=len(t.pages) * self.a.page_bytes)
+            self.unchecked[idx] = (rec, res.fields)      # the queue's own copy of the row
         elif not t.done:
             self.transport.abort(t.spec.room)        # ask for a fence before reuse
         self.results.append(rec)
         self.phase.append(rec)
 
-    def check_row(self, t: Tracked, res: Committed) -> dict[str, Any]:
-        """Byte-for-byte, at commit: every field of the metadata row and the first token."""
-        rows_ok = all(row.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                      == metadata_row(t.spec, name, row.nbytes)
-                      for name, row in res.fields.items())
-        return {"row_ok": rows_ok, "token_ok": res.first_token == t.spec.first_token,
-                "kv_ok": None, "kv_bytes": len(t.pages) * self.a.page_bytes}
-
     def verify(self, need_pages: int | None = None) -> None:
-        """Byte-for-byte check of committed requests' KV pages, oldest first, then free
-        them. It runs when pages run short or the rank goes idle, not in the step that
-        committed: a test harness's check, kept out of the transfer window it measures.
+        """Byte-for-byte check of committed requests' metadata rows (as the queue read
+        them at commit) and KV pages, oldest first, then free the pages. A test harness's
+        check, so it runs when pages run short or the rank goes idle, never in the step
+        that committed: it stays out of the transfer window that bench_e2e measures.
         The pages stay allocated until checked, so nothing can overwrite them before."""
         pb = self.a.page_bytes
         while self.held and (need_pages is None or len(self.free_pages) < need_pages):
             idx, t = next(iter(self.held.items()))
             del self.held[idx]
-            self.unchecked.pop(idx)["kv_ok"] = all(
+            rec, fields = self.unchecked.pop(idx)
+            rec["row_ok"] = all(row.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                                == metadata_row(t.spec, name, row.nbytes)
+                                for name, row in fields.items())
+            rec["kv_ok"] = all(
                 np.array_equal(self.pool[p].cpu().numpy(), kv_page(t.spec, self.rank, j, pb))
                 for j, p in enumerate(t.pages))
             self.free_pages.extend(t.pages)

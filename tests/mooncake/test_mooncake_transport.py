@@ -1,7 +1,14 @@
-"""The transport on real Mooncake engines (TCP on loopback), in one process."""
+"""The transport on real Mooncake engines (TCP on loopback), in one process (plus a
+frozen peer process for the transfer timeout)."""
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,7 +16,7 @@ import zmq
 
 from impl.decode import KVReceiver
 from impl.mooncake import frames as fr
-from impl.mooncake.engine import RegistrationError, TransferError, Write
+from impl.mooncake.engine import RegistrationError, TransferError, Write, transfer_timeout_s
 from impl.mooncake.receiver import FAILED, SUCCESS, WAITING
 from impl.mooncake.synth import kv_bytes, make_requests
 from tests.mooncake.conftest import PAGE_BYTES, SLOTS, DecodeRank
@@ -58,6 +65,25 @@ def test_engine_turns_bad_remote_range_into_transfer_error(engines):
         pe.unregister(rs)
         de.unregister(rd)
 
+
+
+def test_engine_write_waits_for_every_range_before_reporting_a_failure(engines):
+    """One bad range among good ones: TransferError, and every good range has landed by
+    then (nothing of the write is still in flight when the caller fences)."""
+    pe, de = engines
+    src = (np.arange(3 * 4096) % 251 + 1).astype(np.uint8)
+    dst = np.zeros(3 * 4096, np.uint8)
+    rs, rd = pe.register("src", src.ctypes.data, src.nbytes), de.register("dst", dst.ctypes.data, dst.nbytes)
+    try:
+        good = [Write(src.ctypes.data + k * 4096, dst.ctypes.data + k * 4096, 4096) for k in (0, 2)]
+        bad = Write(src.ctypes.data + 4096, dst.ctypes.data + dst.nbytes - 100, 4096)
+        with pytest.raises(TransferError, match="3 ranges"):
+            pe.write(de.session_id, [good[0], bad, good[1]])
+        assert np.array_equal(dst[:4096], src[:4096])
+        assert np.array_equal(dst[8192:], src[8192:])
+    finally:
+        pe.unregister(rs)
+        de.unregister(rd)
 
 def test_requests_land_byte_exact_with_room_last(link):
     server, rank, specs = link
@@ -208,3 +234,44 @@ def test_closed_prefill_connection_fails_requests_at_once(engines):
     finally:
         rank.transport.close()
         server.close(close_engine=False)
+
+
+_FROZEN_PEER = """
+import json, sys
+import numpy as np
+from impl.mooncake.engine import Engine
+e = Engine()
+buf = np.zeros(1 << 20, np.uint8)
+e.register("dst", buf.ctypes.data, buf.nbytes)
+print(json.dumps({"session": e.session_id, "addr": buf.ctypes.data}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_engine_write_to_a_frozen_peer_fails_after_the_transfer_timeout(engines, tmp_path):
+    """The sleeping wait is bounded like Mooncake's sync write: MC_TRANSFER_TIMEOUT (2 s
+    in these tests), then TransferError, without burning a core meanwhile."""
+    repo = str(Path(__file__).resolve().parents[2])
+    peer = subprocess.Popen([sys.executable, "-c", _FROZEN_PEER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, cwd=repo,
+                            env=dict(os.environ, PYTHONPATH=repo))
+    pe, _ = engines
+    src = np.ones(1 << 20, np.uint8)
+    region = pe.register("src-frozen", src.ctypes.data, src.nbytes)
+    try:
+        ready = peer.stdout.readline()
+        assert ready, "peer did not start"
+        info = json.loads(ready)
+        pe.write(info["session"], [Write(src.ctypes.data, info["addr"], 4096)])   # handshake
+        peer.send_signal(signal.SIGSTOP)
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        with pytest.raises(TransferError, match="still pending"):
+            pe.write(info["session"], [Write(src.ctypes.data, info["addr"], 1 << 20)])
+        waited, cpu = time.monotonic() - t0, time.thread_time() - cpu0
+        assert transfer_timeout_s() - 0.1 <= waited < transfer_timeout_s() + 2.0, waited
+        assert cpu < 0.5 * waited, (cpu, waited)
+    finally:
+        peer.send_signal(signal.SIGCONT)
+        peer.kill()
+        peer.wait(timeout=10)
+        pe.unregister(region)
