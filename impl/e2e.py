@@ -122,7 +122,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.inflight < 1 or args.slots < args.inflight:
         return f"need 1 <= --inflight <= --slots, got {args.inflight} and {args.slots}"
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
-        return f"need 1 <= --min-pages <= --max-pages <= --pages"
+        return (f"need 1 <= --min-pages <= --max-pages <= --pages, got {args.min_pages}, "
+                f"{args.max_pages} and {args.pages}")
     if args.device not in ("cpu", "cuda"):
         return f"--device must be cpu or cuda, got {args.device!r}"
     if args.device == "cuda":

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from dataclasses import replace
@@ -14,7 +13,7 @@ from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.engine import RunData, Simulation, resolve_variant, trace_name
-from sim.errors import SimInputError
+from sim.errors import SimInputError, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
 from sim.results import divergence_line, dumps, summarize, table
 
@@ -160,9 +159,4 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        execute(args)
-    except SimInputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_reporting(PROG, execute, args)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from model.spec.variants import VARIANTS
 from sim.engine import Simulation
-from sim.errors import SimInputError
+from sim.errors import SimInputError, run_reporting
 from sim.options import (add_model_arguments, build_config, build_workload, nonneg_int,
                          positive_float, positive_int)
 from sim.results import SUMMARY_KEYS, summarize
@@ -197,9 +197,4 @@ def execute(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        execute(args)
-    except SimInputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_reporting(PROG, execute, args)
