@@ -65,14 +65,14 @@ def _rank(state: SystemState, rank: int) -> RankState:
     return ranks[rank]
 
 
-def _latch(state: SystemState, ev: KvDone | Fail, value: int, what: str) -> None:
-    """The receiver of ``ev.req`` on ``ev.rank`` reports ``value`` (once: it latches)."""
-    recv, req = _rank(state, ev.rank).recv, ev.req
+def _latch(state: SystemState, rank: int, req: int, value: int, what: str) -> None:
+    """The receiver of ``req`` on ``rank`` reports ``value`` (once: it latches)."""
+    recv = _rank(state, rank).recv
     current = recv.get(req)
     if current is None:
-        raise EventNotEnabled(f"{what}: request {req} is not in rank {ev.rank}'s transfer queue")
+        raise EventNotEnabled(f"{what}: request {req} is not in rank {rank}'s transfer queue")
     if current in _LATCHED:
-        raise EventNotEnabled(f"{what}: request {req} on rank {ev.rank} already latched "
+        raise EventNotEnabled(f"{what}: request {req} on rank {rank} already latched "
                               f"{KVPoll(current).name}")
     recv[req] = value
 
@@ -126,29 +126,29 @@ def _enqueue(state: SystemState, ev: Enqueue) -> None:
         rs.landed[ev.req] = 0
 
 
-def _land(state: SystemState, ev: Land) -> None:
-    rs = _rank(state, ev.rank)
-    bit = _FIELD_BIT.get(ev.field)
+def _land(state: SystemState, rank: int, req: int, field: str) -> None:
+    rs = _rank(state, rank)
+    bit = _FIELD_BIT.get(field)
     if bit is None:
-        raise EventNotEnabled(f"land: unknown field {ev.field!r} (room or payload)")
-    landed = rs.landed.get(ev.req)
+        raise EventNotEnabled(f"land: unknown field {field!r} (room or payload)")
+    landed = rs.landed.get(req)
     if landed is None:
-        raise EventNotEnabled(f"land: request {ev.req} has no write in flight to rank {ev.rank}")
+        raise EventNotEnabled(f"land: request {req} has no write in flight to rank {rank}")
     if landed & bit:
-        raise EventNotEnabled(f"land: {ev.field} of request {ev.req} already landed on rank {ev.rank}")
-    if ev.req in rs.fenced:
-        raise EventNotEnabled(f"land: request {ev.req} is fenced on rank {ev.rank}")
+        raise EventNotEnabled(f"land: {field} of request {req} already landed on rank {rank}")
+    if req in rs.fenced:
+        raise EventNotEnabled(f"land: request {req} is fenced on rank {rank}")
     if state.variant.room_after_payload and bit == ROOM_BIT and not landed & PAYLOAD_BIT:
-        raise EventNotEnabled(f"land: room of request {ev.req} before its payload on rank "
-                              f"{ev.rank} (variant writes the room after the payload completed)")
-    req = state.requests[ev.req]
-    slot = rs.slot_of[ev.req]
+        raise EventNotEnabled(f"land: room of request {req} before its payload on rank "
+                              f"{rank} (variant writes the room after the payload completed)")
+    written = state.requests[req]
+    slot = rs.slot_of[req]
     if bit == ROOM_BIT:
-        rs.room_at[slot] = req.room
+        rs.room_at[slot] = written.room
     else:
-        rs.payload_at[slot] = req.payload
-    rs.landed[ev.req] = landed | bit
-    _writes_done(state, rs, ev.req)
+        rs.payload_at[slot] = written.payload
+    rs.landed[req] = landed | bit
+    _writes_done(state, rs, req)
 
 
 def _fence(state: SystemState, ev: Fence) -> None:
@@ -240,28 +240,39 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
         for k in range(len(ranks))))
 
 
-def _receiver(poll: KVPoll, what: str) -> Callable[[SystemState, Any], None]:
-    """The handler of KvDone / Fail: the receiver latches ``poll``."""
+def _receiver(poll: KVPoll, what: str) -> Callable[[SystemState, int, int], None]:
+    """The transition of KvDone / Fail on plain fields: the receiver latches ``poll``."""
     value = int(poll)
 
-    def handle(state: SystemState, ev: KvDone | Fail) -> None:
-        _latch(state, ev, value, what)
-    return handle
+    def receive(state: SystemState, rank: int, req: int) -> None:
+        _latch(state, rank, req, value, what)
+    return receive
 
+
+_kv_done = _receiver(KVPoll.Success, "kv_done")
+_fail = _receiver(KVPoll.Failed, "fail")
 
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
+# Each unpacks its event and calls the one implementation of its transition.
 _ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
-    Enqueue: _enqueue, KvDone: _receiver(KVPoll.Success, "kv_done"),
-    Fail: _receiver(KVPoll.Failed, "fail"), Land: _land, Fence: _fence}
+    Enqueue: _enqueue,
+    KvDone: lambda state, ev: _kv_done(state, ev.rank, ev.req),
+    Fail: lambda state, ev: _fail(state, ev.rank, ev.req),
+    Land: lambda state, ev: _land(state, ev.rank, ev.req, ev.field),
+    Fence: _fence}
+
+
+def _require_live(state: SystemState) -> None:
+    if state.hung is not None:
+        raise EventNotEnabled(f"the ranks are hung in a mismatched collective "
+                              f"(queue lengths {list(state.hung)})")
 
 
 def apply(state: SystemState, event: Event, *, detail: bool = True) -> StepRecord | StepPops | None:
     """Perform ``event`` on ``state`` in place. Returns the StepRecord of a protocol step
     (a StepPops with ``detail=False``), None for environment events. Raises
     EventNotEnabled (state untouched) if not allowed."""
-    if state.hung is not None:
-        raise EventNotEnabled(f"the ranks are hung in a mismatched collective "
-                              f"(queue lengths {list(state.hung)})")
+    _require_live(state)
     handler = _ENV_HANDLERS.get(type(event))
     if handler is not None:
         handler(state, event)
@@ -273,6 +284,25 @@ def apply(state: SystemState, event: Event, *, detail: bool = True) -> StepRecor
             handler(state, event)
             return None
     raise EventNotEnabled(f"unknown event {event!r}")
+
+
+def kv_done(state: SystemState, rank: int, req: int) -> None:
+    """``apply(state, KvDone(rank, req))`` without building the event: for drivers that
+    write no trace and deliver many events (the simulator). Same transition, same errors."""
+    _require_live(state)
+    _kv_done(state, rank, req)
+
+
+def fail(state: SystemState, rank: int, req: int) -> None:
+    """``apply(state, Fail(rank, req))`` without building the event (as ``kv_done``)."""
+    _require_live(state)
+    _fail(state, rank, req)
+
+
+def land(state: SystemState, rank: int, req: int, field: str) -> None:
+    """``apply(state, Land(rank, req, field))`` without building the event (as ``kv_done``)."""
+    _require_live(state)
+    _land(state, rank, req, field)
 
 
 def forget(state: SystemState, req: int) -> None:
