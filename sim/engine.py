@@ -27,7 +27,8 @@ from simpy.events import URGENT, Event
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import EventNotEnabled, StepPops, StepRecord, apply, forget
+from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, apply, fail, forget, kv_done,
+                                land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -38,6 +39,7 @@ from sim.errors import SimInputError
 from sim.workload import Workload
 
 KV, FAIL, PAY, ROOMF = 0, 1, 2, 3          # timeline event kinds, in same-time order
+_LAND_FIELD = {PAY: PAYLOAD, ROOMF: ROOM}
 _STEP = Step()
 FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
@@ -71,6 +73,11 @@ def trace_name(v: Variant) -> str | None:
                 (named.timeout_steps is None) == (v.timeout_steps is None)):
             return name
     return None
+
+
+def _refused(exc: EventNotEnabled) -> None:
+    """The driver broke its own physics: a bug, not a user error."""
+    raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
 
 
 class _At(Event):
@@ -168,8 +175,8 @@ class Simulation:
         try:
             for ev in events:
                 apply(state, ev)
-        except EventNotEnabled as exc:      # the driver broke its own physics: a bug
-            raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
+        except EventNotEnabled as exc:
+            _refused(exc)
         self.since_poll += len(events)
         if self.trace is not None:
             for ev in events:
@@ -260,21 +267,39 @@ class Simulation:
             self.wake.succeed()
 
     def _timeline(self, tl: _Timeline) -> None:
-        """Deliver the timeline's events due at its next time (one batch, one SimPy event)."""
-        now, T, i, ranks = self.env.now, self.T, tl.req, self.state.ranks
+        """Deliver the timeline's events due at its next time (one batch, one SimPy event).
+        Without a trace, the spec's transitions are called on plain fields: the same
+        transitions as ``apply`` of the events, minus building an object per event."""
+        now, T, i, state = self.env.now, self.T, tl.req, self.state
+        ranks, direct = state.ranks, self.trace is None
         times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
         target = times[pos]      # exact, where now may differ from it in the last bit
         batch: list[Any] = []
-        while True:
-            kind, k = divmod(codes[pos], T)
-            pos += 1
-            if kind >= PAY:
-                batch.append(Land(k, i, PAYLOAD if kind == PAY else ROOM))
-            elif i in ranks[k].recv:   # else the request already left: its KV is moot
-                batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
-            if pos == end or times[pos] > target:
-                break
-        self._env_events(batch)     # env events never pop: the checks above stay valid
+        delivered = 0
+        try:
+            while True:
+                kind, k = divmod(codes[pos], T)
+                pos += 1
+                if kind >= PAY:
+                    delivered += 1
+                    if direct:
+                        land(state, k, i, _LAND_FIELD[kind])
+                    else:
+                        batch.append(Land(k, i, _LAND_FIELD[kind]))
+                elif i in ranks[k].recv:   # else the request already left: its KV is moot
+                    delivered += 1
+                    if direct:
+                        (kv_done if kind == KV else fail)(state, k, i)
+                    else:
+                        batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
+                if pos == end or times[pos] > target:
+                    break
+        except EventNotEnabled as exc:
+            _refused(exc)
+        if direct:
+            self.since_poll += delivered
+        else:
+            self._env_events(batch)   # env events never pop: the checks above stay valid
         tl.pos = pos
         if pos < end:
             _At(self.env, times[pos] - now, self._timeline, tl)
