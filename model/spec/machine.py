@@ -104,6 +104,10 @@ def _release(state: SystemState, rs: RankState, req: int) -> None:
 
 
 def _writes_done(state: SystemState, rs: RankState, req: int) -> None:
+    """A write of ``req`` landed or was fenced: free its quarantined slot and forget it
+    where that was all it waited for."""
+    if req not in rs.outcomes:      # still queued (quarantine and forgetting follow a pop)
+        return
     if req in rs.quarantined and (rs.landed[req] == ALL_FIELDS or req in rs.fenced):
         rs.quarantined.discard(req)
         _free_slot(state, rs, req)
