@@ -39,7 +39,7 @@ from sim.errors import SimInputError
 from sim.workload import Workload
 
 KV, FAIL, PAY, ROOMF = 0, 1, 2, 3          # timeline event kinds, in same-time order
-_LAND_FIELD = {PAY: PAYLOAD, ROOMF: ROOM}
+_LAND_FIELD = (None, None, PAYLOAD, ROOM)   # by kind
 _STEP = Step()
 FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
@@ -168,6 +168,8 @@ class Simulation:
         self.forward = StepTimes(cfg.forward, stream(cfg.seed, "forward"))
         self.idle = StepTimes(cfg.idle_step, stream(cfg.seed, "idle"))
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
+        # timeline code -> (kind, rank): a table lookup instead of a divmod per event
+        self.decode = [divmod(code, T) for code in range(4 * T)]
 
     # -- environment events ------------------------------------------------------------
     def _env_events(self, events: list[Any]) -> None:
@@ -270,7 +272,7 @@ class Simulation:
         """Deliver the timeline's events due at its next time (one batch, one SimPy event).
         Without a trace, the spec's transitions are called on plain fields: the same
         transitions as ``apply`` of the events, minus building an object per event."""
-        now, T, i, state = self.env.now, self.T, tl.req, self.state
+        now, decode, i, state = self.env.now, self.decode, tl.req, self.state
         ranks, direct = state.ranks, self.trace is None
         times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
         target = times[pos]      # exact, where now may differ from it in the last bit
@@ -278,7 +280,7 @@ class Simulation:
         delivered = 0
         try:
             while True:
-                kind, k = divmod(codes[pos], T)
+                kind, k = decode[codes[pos]]
                 pos += 1
                 if kind >= PAY:
                     delivered += 1
