@@ -217,10 +217,12 @@ class Simulation:
         self._settle()
 
     def _admit(self) -> None:
-        ranks = self.state.ranks
-        while (self.prealloc and self.in_pool < self.cfg.request_pool
-               and all(rs.free for rs in ranks)):
-            self._enqueue(self.prealloc.popleft())
+        ranks, prealloc, pool = self.state.ranks, self.prealloc, self.cfg.request_pool
+        while prealloc and self.in_pool < pool:
+            for rs in ranks:        # a loop, not all(): this runs after every delivery
+                if not rs.free:
+                    return
+            self._enqueue(prealloc.popleft())
 
     def _shift_stalls(self, k: int, t: float) -> float:
         """``t`` moved past any stall of rank ``k`` that covers it."""
@@ -373,8 +375,10 @@ class Simulation:
             yield env.timeout(self.forward.next() if self.running else self.idle.next())
 
     def _record_pops(self, rec: StepRecord | StepPops) -> int:
-        now, d = self.env.now, self.d
         popped = rec.popped
+        if not popped[0]:       # the checks passed, so every rank popped the same: nothing
+            return 0
+        now, d = self.env.now, self.d
         for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
