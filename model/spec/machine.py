@@ -171,21 +171,22 @@ def _tables(v: Variant) -> tuple[tuple, tuple, tuple]:
     return gate_table(v), pop_table(v), keep_regardless(v)
 
 
-def _polls(state: SystemState, rs: RankState, gate: tuple) -> tuple[list[int], list[int]]:
-    """This rank's receiver polls and its MIN contributions (gated_poll via the kernel
-    table) for every queued request. One loop: queues are short, and a loop is cheaper
-    than two comprehensions."""
-    requests, recv, room_at, slot_of = state.requests, rs.recv, rs.room_at, rs.slot_of
-    timeout = state.variant.timeout_steps
-    local, gated = [], []
+def _polls(requests: dict[int, Request], rs: RankState, gate: tuple, timeout: int | None,
+           local: list[int] | None) -> list[int]:
+    """This rank's MIN contributions (gated_poll via the kernel table) for every queued
+    request; its receiver polls go to ``local`` when the caller keeps them (the trace).
+    One loop: queues are short, and a loop is cheaper than two comprehensions."""
+    recv, room_at, slot_of, age = rs.recv, rs.room_at, rs.slot_of, rs.age
+    gated = []
     for r in rs.queue:
         p = recv[r]
         i = p * 16 + compare_index(room_at[slot_of[r]], requests[r].room)
-        if timeout is not None and rs.age[r] >= timeout:
+        if timeout is not None and age[r] >= timeout:
             i += 8
-        local.append(p)
+        if local is not None:
+            local.append(p)
         gated.append(gate[i])
-    return local, gated
+    return gated
 
 
 def _pop(state: SystemState, rs: RankState, reduced: list[int], pop: tuple | None
@@ -220,8 +221,11 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
     # gate_table/pop_table are gated_poll/pop_decision tabulated on ints (kernel.py).
     gate, pop, keeps = _tables(state.variant)
     ranks = state.ranks
-    queues = [rs.queue for rs in ranks]          # before the step (_pop replaces, never edits)
-    locals_, gateds = zip(*[_polls(state, rs, gate) for rs in ranks])
+    requests, timeout = state.requests, state.variant.timeout_steps
+    # The record's queues (before the step: _pop replaces them, never edits) and polls.
+    queues = [rs.queue for rs in ranks] if detail else []
+    locals_ = [[] for _ in ranks] if detail else [None] * len(ranks)
+    gateds = [_polls(requests, rs, gate, timeout, local) for rs, local in zip(ranks, locals_)]
     try:
         reduced = min_reduce(gateds)
     except CollectiveMismatch as exc:
