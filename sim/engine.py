@@ -84,9 +84,15 @@ class _At(Event):
     """A callback at now + delay, URGENT so it precedes a scheduler step at that time."""
 
     def __init__(self, env: simpy.Environment, delay: float, fn: Any, arg: Any):
-        self.env, self.callbacks, self._value, self._ok = env, [self._fire], None, True
+        self.env, self._value, self._ok = env, None, True
         self.fn, self.arg = fn, arg
-        env.schedule(self, URGENT, delay)
+        self.again(delay)
+
+    def again(self, delay: float) -> None:
+        """Schedule the callback (once more: a fired _At is reused, and SimPy orders by
+        time, priority and scheduling order, so a fresh event would sort the same)."""
+        self.callbacks = [self._fire]
+        self.env.schedule(self, URGENT, delay)
 
     def _fire(self, _: Event) -> None:
         self.fn(self.arg)
@@ -95,10 +101,11 @@ class _At(Event):
 class _Timeline:
     """One request's per-rank events (KV, then metadata), delivered in time order with
     a single pending SimPy event at a time (keeps memory per request small)."""
-    __slots__ = ("req", "times", "codes", "pos")
+    __slots__ = ("req", "times", "codes", "pos", "due")
 
     def __init__(self, req: int, times: list[float], codes: list[int]):
         self.req, self.times, self.codes, self.pos = req, array("d", times), array("h", codes), 0
+        self.due: _At | None = None     # its SimPy event, rescheduled for each batch
 
 
 @dataclass
@@ -266,7 +273,7 @@ class Simulation:
         events.sort()
         tl = _Timeline(i, [e[0] for e in events], [e[1] for e in events])
         self.pending += 1
-        _At(self.env, tl.times[0] - now, self._timeline, tl)
+        tl.due = _At(self.env, tl.times[0] - now, self._timeline, tl)
         if self.wake is not None and not self.wake.triggered:
             self.wake.succeed()
 
@@ -306,7 +313,7 @@ class Simulation:
             self._env_events(batch)   # env events never pop: the checks above stay valid
         tl.pos = pos
         if pos < end:
-            _At(self.env, times[pos] - now, self._timeline, tl)
+            tl.due.again(times[pos] - now)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
