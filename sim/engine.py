@@ -18,7 +18,7 @@ from array import array
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import simpy
@@ -103,7 +103,7 @@ class _Timeline:
     a single pending SimPy event at a time (keeps memory per request small)."""
     __slots__ = ("req", "times", "codes", "pos", "due")
 
-    def __init__(self, req: int, times: list[float], codes: list[int]):
+    def __init__(self, req: int, times: Sequence[float], codes: Sequence[int]):
         self.req, self.times, self.codes, self.pos = req, array("d", times), array("h", codes), 0
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
 
@@ -248,7 +248,7 @@ class Simulation:
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
-        stalls = self.cfg.stalls
+        stalls, record = self.cfg.stalls, self.record
         for k in range(T):
             kv = now + xfer[k]
             if stalls:
@@ -264,14 +264,15 @@ class Simulation:
             events.append((land, PAY * T + k))
             events.append((land + rtt, ROOMF * T + k))
             write_end[k] = land + rtt
-            if self.record:
+            if record:
                 self.spans.append(("kv", k, i, now, kv))
                 self.spans.append(("lag", k, i, kv, land + rtt))
         self.write_end[i] = write_end
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
-        tl = _Timeline(i, [e[0] for e in events], [e[1] for e in events])
+        times, codes = zip(*events)
+        tl = _Timeline(i, times, codes)
         self.pending += 1
         tl.due = _At(self.env, tl.times[0] - now, self._timeline, tl)
         if self.wake is not None and not self.wake.triggered:
