@@ -4,10 +4,12 @@ import random
 
 import pytest
 
-from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, KvDone, Land
-from model.spec.machine import EventNotEnabled, apply, enabled, fail, kv_done, land
+from model.spec.events import PAYLOAD, ROOM, Fail, KvDone, Land
+from model.spec.machine import EventNotEnabled, apply, fail, kv_done, land
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS
+
+from .walks import random_walk
 
 ALL = [*VARIANTS.values(), *ABLATIONS.values()]
 
@@ -33,13 +35,7 @@ def test_field_forms_match_apply_on_random_walks_including_refused_events():
     for _ in range(200):
         by_event = initial_state(rng.choice(ALL), rng.randint(1, 3), rng.randint(1, 3))
         by_fields = by_event.copy()
-        nxt = 0
-        for _ in range(50):
-            events = enabled(by_event, [Enqueue(nxt, rng.choice([0, 5, 6]), rng.randint(1, 3))])
-            if not events:
-                break
-            ev = rng.choice(events)
-            nxt += isinstance(ev, Enqueue)
+        for ev, nxt in random_walk(rng, by_event, 50):
             if not isinstance(ev, (KvDone, Fail, Land)):
                 apply(by_event, ev)
                 apply(by_fields, ev)

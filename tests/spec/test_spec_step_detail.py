@@ -2,10 +2,12 @@
 only returns a smaller record (StepPops): the per-rank pops, the step number, the hang."""
 import random
 
-from model.spec.events import Enqueue, Step
-from model.spec.machine import StepPops, StepRecord, apply, enabled
+from model.spec.events import Step
+from model.spec.machine import StepPops, StepRecord, apply
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS, get_variant
+
+from .walks import random_walk
 
 ALL = [*VARIANTS.values(), *ABLATIONS.values(), get_variant("strict", 1)]
 
@@ -18,13 +20,7 @@ def test_light_step_matches_the_full_step_on_random_walks():
         v = VARIANTS["ungated"] if trial % 2 else rng.choice(ALL)
         full = initial_state(v, rng.randint(1, 3), rng.randint(1, 3))
         light = full.copy()
-        nxt = 0
-        for _ in range(60):
-            events = enabled(full, [Enqueue(nxt, rng.choice([0, 5, 6]), rng.randint(1, 3))])
-            if not events:
-                break
-            ev = rng.choice(events)
-            nxt += isinstance(ev, Enqueue)
+        for ev, _ in random_walk(rng, full, 60):
             rec, small = apply(full, ev), apply(light, ev, detail=False)
             if isinstance(ev, Step):
                 assert isinstance(rec, StepRecord) and isinstance(small, StepPops)
