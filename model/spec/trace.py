@@ -12,7 +12,7 @@ from model.spec.invariants import Violation
 from model.spec.kernel import Decision
 from model.spec.kvpoll import POLL_VALUES
 from model.spec.machine import RankStep, StepRecord
-from model.spec.variants import ABLATIONS, VARIANTS
+from model.spec.variants import ABLATIONS, VARIANTS, Variant, get_variant
 
 FORMAT, VERSION = "pdgate-trace", 1
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
@@ -87,6 +87,12 @@ class Header:
     slots: int
     timeout_steps: int | None
     source: str
+
+    def spec_variant(self, name: str | None = None) -> Variant:
+        """The named variant (default: the header's), with the header's timeout where
+        that variant has one."""
+        base = get_variant(name or self.variant)
+        return get_variant(base.name, self.timeout_steps) if base.timeout_steps else base
 
 
 def _int(obj: dict, key: str, line: int, lo: int = 0, hi: int | None = None) -> int:

@@ -17,7 +17,7 @@ from model.spec.machine import EventNotEnabled, StepRecord, apply
 from model.spec.state import SystemState, initial_state
 from model.spec.trace import (TraceFormatError, TraceInputError, _int, event_record,
                               open_records, parse_record, read_trace_file)
-from model.spec.variants import VARIANTS, get_variant
+from model.spec.variants import VARIANTS
 
 
 @dataclass
@@ -48,8 +48,7 @@ def _diff_step(want: StepRecord, got: StepRecord) -> str | None:
 def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResult:
     """Replay ``lines``; raises TraceFormatError on malformed input."""
     header, last_line, records = open_records(lines)
-    name = variant or header.variant
-    v = get_variant(name, header.timeout_steps if get_variant(name).timeout_steps else None)
+    v = header.spec_variant(variant)
     state = initial_state(v, header.ranks, header.slots)
     first_violation = None
     claims: list[Violation] = []

@@ -11,7 +11,7 @@ from model.spec.machine import StepRecord, apply
 from model.spec.state import initial_state
 from model.spec.trace import parse_header, parse_record, read_records
 from model.spec.validate import validate
-from model.spec.variants import VARIANTS, get_variant
+from model.spec.variants import VARIANTS
 from sim.checks import step_violations
 from tests.sim.helpers import config, run, workload
 
@@ -52,7 +52,7 @@ def _replay_checks(text: str) -> int:
     recs = read_records(text.splitlines())
     line, obj = next(recs)
     header = parse_header(obj, line)
-    v = get_variant(header.variant, header.timeout_steps if VARIANTS[header.variant].timeout_steps else None)
+    v = header.spec_variant()
     state = initial_state(v, header.ranks, header.slots)
     compared = 0
     for line, obj in recs:
