@@ -70,8 +70,9 @@ def _replay_rank(rank: int, world: int, scripts: list[Script], collective_timeou
     out = []
     for script in scripts:
         h = script.header
-        harness = RankHarness(rank, h.variant, h.slots, GlooExchange(None, collective_timeout_s),
-                              h.timeout_steps, collective_timeout_s)
+        harness = RankHarness(rank, h.spec_variant(), h.slots,
+                              GlooExchange(None, collective_timeout_s),
+                              collective_timeout_s=collective_timeout_s)
         error = kind = None
         at = len(script.events)
         for i, ev in enumerate(script.events):

@@ -17,6 +17,7 @@ from impl.decode.queue import DecodeTransferQueue, Req
 from impl.decode.trace import ListTracer, StepTrace
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.kvpoll import KVPoll
+from model.spec.variants import Variant
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ScriptedReceiver:
 
 
 class RankHarness:
-    def __init__(self, rank: int, variant: str, slots: int, exchange: Any,
+    def __init__(self, rank: int, variant: str | Variant, slots: int, exchange: Any,
                  timeout_steps: int | None = None, collective_timeout_s: float = 10.0):
         self.rank = rank
         self.buffers = MetadataBuffers(slots)
