@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
+from model.cli import number, writable_problem
 
 DEFAULT_TIMEOUT_MS = 3000.0      # strict's bound, as time; converted to steps
 KEYS = ("committed", "aborted", "lost", "byte_exact", "gate_holds", "commit_latency_p50_ms",
@@ -37,6 +38,8 @@ class E2EConfig:
     trace: str | None = None
     timeout_s: float = 120.0
     host: str = "127.0.0.1"
+    step_ms: float = 2.0
+    work_dir: str | None = None       # rank logs, stderr, default JSON and trace
 
 
 def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | None:
@@ -45,66 +48,110 @@ def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | 
     return given if given is not None else max(1, math.ceil(DEFAULT_TIMEOUT_MS / step_ms))
 
 
+def aborts_explained(cfg: E2EConfig) -> bool:
+    """Whether a fault this run injected can abort requests: only a metadata delay
+    longer than strict's timeout does (``gate`` has no timeout; a delay only holds)."""
+    if cfg.timeout_steps is None:
+        return False
+    return any(s * 1000 >= cfg.timeout_steps * cfg.step_ms for _, s in cfg.metadata_delay)
+
+
 def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
-    """Run once; returns the figures (plus ``trace``, ``trace_valid``, ``trace_message``)."""
-    from impl.mooncake.cluster import Cluster
-    from impl.mooncake.report import figures, load_log, write_trace
+    """Run once; returns the figures (plus ``trace``, ``trace_valid``, ``trace_message``,
+    ``work_dir``, ``error``). A run that fails still returns what it can: the error,
+    the trace of the steps every rank logged, and the work dir with the rank logs."""
+    from impl.mooncake.cluster import Cluster, ClusterError
+    from impl.mooncake.report import ReportError, figures, load_log, write_trace
     from model.spec.validate import validate
 
-    with tempfile.TemporaryDirectory(prefix="pdgate-e2e-") as tmp:
-        work = Path(tmp)
-        rank_args = [*cfg.rank_args, "--variant", cfg.variant, "--slots", str(cfg.slots)]
-        if cfg.timeout_steps is not None:
-            rank_args += ["--timeout-steps", str(cfg.timeout_steps)]
-        cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
-                          timeout_s=cfg.timeout_s)
-        try:
-            extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
-            prefill, endpoint = cluster.start_prefill(0, cfg.requests,
-                                                      extra + (["--allow-baseline"] if cfg.baseline else []))
-            cluster.start_ranks()
-            cluster.serve(endpoint, 0, cfg.requests)
-            cluster.wait_idle(cfg.timeout_s)
-            baseline = None
-            if cfg.baseline:
-                prefill.send("baseline")
-                baseline = prefill.read(cfg.timeout_s, "baseline figures")
-            results = cluster.finish()
-            prefill.send("quit")
-            prefill.close(30)
-        finally:
-            cluster.close()
-        logs = [load_log(str(work / f"rank{r}.jsonl")) for r in range(cfg.ranks)]
-        trace_path = cfg.trace or str(work / "trace.ndjson")
+    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="pdgate-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rank_args = [*cfg.rank_args, "--variant", cfg.variant, "--slots", str(cfg.slots)]
+    if cfg.timeout_steps is not None:
+        rank_args += ["--timeout-steps", str(cfg.timeout_steps)]
+    cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
+                      timeout_s=cfg.timeout_s)
+    error, results, baseline, prefill_stats = None, None, None, {}
+    try:
+        extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
+        prefill, endpoint = cluster.start_prefill(0, cfg.requests,
+                                                  extra + (["--allow-baseline"] if cfg.baseline else []))
+        cluster.start_ranks()
+        cluster.serve(endpoint, 0, cfg.requests)
+        cluster.wait_idle(cfg.timeout_s)
+        if cfg.baseline:
+            prefill.send("baseline")
+            baseline = prefill.read(cfg.timeout_s, "baseline figures")
+        prefill.send("stats")
+        prefill_stats = prefill.read(30, "prefill stats")
+        results = cluster.finish()
+        prefill.send("quit")
+        prefill.close(30)
+    except (ClusterError, OSError, KeyError, ValueError) as exc:
+        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    finally:
+        cluster.close()
+    partial = results is None
+    logs = [load_log(str(work / f"rank{r}.jsonl"), partial=partial) for r in range(cfg.ranks)]
+    trace_path = cfg.trace or str(work / "trace.ndjson")
+    try:
         with open(trace_path, "w", encoding="utf-8") as fp:
-            write_trace(logs, fp, cfg.variant, cfg.slots, cfg.timeout_steps)
+            write_trace(logs, fp, cfg.variant, cfg.slots, cfg.timeout_steps, partial=partial)
         with open(trace_path, encoding="utf-8") as fp:
             check = validate(fp)
-        out = figures(results, logs, cfg.requests)
-        out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps,
-                   trace=cfg.trace, trace_valid=check.ok, trace_message=check.message)
-        if baseline is not None:
-            # Same bytes both ways (KV + rows + rooms as written), so the ratio of times.
-            # One cold run; bench_e2e warms up and takes the median over phases.
-            raw = baseline["bytes"] / max(baseline["seconds"], 1e-9) / 1e6
-            out.update(raw_mb_per_s=round(raw, 2), raw_bytes=baseline["bytes"],
-                       throughput_ratio=round(baseline["seconds"] / out["seconds"], 3))
-        return out
+        trace_valid, trace_message = check.ok, check.message
+    except (ReportError, KeyError, ValueError) as exc:
+        trace_valid, trace_message = False, f"trace not written: {exc}"
+    out: dict[str, Any] = dict.fromkeys(KEYS)
+    out.update(ranks=cfg.ranks, requests=cfg.requests, disagree=None, dropped_frames=0,
+               rejected_frames=0)
+    if results is not None:
+        out.update(figures(results, logs, cfg.requests))
+    out["dropped_frames"] += prefill_stats.get("dropped", 0)
+    out["rejected_frames"] += prefill_stats.get("rejected", 0)
+    unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
+    out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
+               trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,
+               work_dir=str(work), error=error,
+               disturbed=bool(out["dropped_frames"] or out["rejected_frames"] or unexplained),
+               unexplained_aborts=unexplained)
+    if baseline is not None and results is not None:
+        # Same bytes both ways (KV + rows + rooms as written), so the ratio of times.
+        # One cold run; bench_e2e warms up and takes the median over phases.
+        raw = baseline["bytes"] / max(baseline["seconds"], 1e-9) / 1e6
+        out.update(raw_mb_per_s=round(raw, 2), raw_bytes=baseline["bytes"],
+                   throughput_ratio=round(baseline["seconds"] / out["seconds"], 3))
+    return out
+
+
+def run_ok(out: dict[str, Any]) -> bool:
+    """Exit 0: no error, a valid trace, every commit byte-exact, nothing lost or in
+    disagreement, and nothing disturbed the run (frames rejected or dropped, aborts no
+    injected fault explains)."""
+    return (out["error"] is None and out["trace_valid"] and bool(out["byte_exact"])
+            and out["lost"] == 0 and out["disagree"] == 0 and not out["disturbed"])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from impl.mooncake.rank import add_rank_arguments
-    p.add_argument("--ranks", type=int, default=2, help="decode TP ranks T")
+    p.add_argument("--ranks", type=number(integer=True), default=2, help="decode TP ranks T, 1..16")
     add_workload_arguments(p)
     add_rank_arguments(p)
     p.add_argument("--metadata-delay", type=rank_ms, action="append", default=[], metavar="RANK:MS",
                    help="prefill sends RANK its Success first and its metadata row MS later "
                         "(Success outrunning the row, as async NVLink/RDMA allow): the gate holds")
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    p.add_argument("--trace", metavar="PATH", help="write the impl trace (pdgate validate PATH)")
+    p.add_argument("--json", metavar="PATH",
+                   help="where to write the figures as JSON (default: in the work dir)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="where to write the impl trace, for pdgate validate (default: in the work dir)")
     p.add_argument("--baseline", action="store_true",
                    help="also time raw batch_transfer_sync_write of the same KV bytes")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="bound on the whole run")
+    p.add_argument("--timeout-s", type=number(0, 86400, above=True), default=120.0,
+                   help="bound on the whole run")
+    p.add_argument("--work-dir", metavar="DIR",
+                   help="rank logs, the JSON and the trace by default (default: a new temporary "
+                        "folder; kept, with the rank logs, when the run fails)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the rank logs of a good run too")
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
@@ -117,8 +164,12 @@ def _usage_error(args: argparse.Namespace) -> str | None:
             return f"--metadata-delay names rank {r}, but ranks are 0..{args.ranks - 1}"
     if args.timeout_steps is not None and args.timeout_steps < 1:
         return f"--timeout-steps must be >= 1, got {args.timeout_steps}"
-    if args.step_ms <= 0 or args.timeout_s <= 0:
-        return "--step-ms and --timeout-s must be > 0"
+    kv = args.requests * args.max_pages * args.page_bytes * args.ranks
+    if kv > 2 << 30:
+        return (f"the workload needs up to {kv >> 20} MiB of prefill KV (--requests x "
+                f"--max-pages x --page-bytes x --ranks), limit 2048 MiB")
+    if args.pages * args.page_bytes > 4 << 30:
+        return f"--pages x --page-bytes is {(args.pages * args.page_bytes) >> 20} MiB per rank, limit 4096 MiB"
     if args.inflight < 1 or args.slots < args.inflight:
         return f"need 1 <= --inflight <= --slots, got {args.inflight} and {args.slots}"
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
@@ -136,6 +187,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     problem = _usage_error(args)
+    for path in (args.json, args.trace):
+        problem = problem or (writable_problem(path) if path else None)
     if problem is None:
         try:
             from impl.mooncake.engine import _import_engine
@@ -152,23 +205,37 @@ def run(args: argparse.Namespace) -> int:
                  "--heartbeat-ms", str(args.heartbeat_ms),
                  "--heartbeat-misses", str(args.heartbeat_misses),
                  "--fence-grace-s", str(args.fence_grace_s),
-                 "--collective-timeout-s", str(args.collective_timeout_s)]
+                 "--collective-timeout-s", str(args.collective_timeout_s),
+                 "--connect-timeout-s", str(args.connect_timeout_s)]
     cfg = E2EConfig(args.ranks, args.requests, args.variant, args.metadata_delay, workload,
                     rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps),
-                    args.slots, args.baseline, args.trace, args.timeout_s, args.host)
-    from impl.mooncake.cluster import ClusterError
-    from impl.mooncake.report import ReportError
-    try:
-        out = run_e2e(cfg)
-    except (ClusterError, ReportError, OSError) as exc:
-        print(f"pdgate e2e: {exc}", file=sys.stderr)
-        return 1
-    for key in (*KEYS, "trace_valid"):
+                    args.slots, args.baseline, args.trace, args.timeout_s, args.host,
+                    args.step_ms, args.work_dir)
+    out = run_e2e(cfg)
+    ok = run_ok(out)
+    json_path = args.json or str(Path(out["work_dir"]) / "e2e.json")
+    with open(json_path, "w", encoding="utf-8") as fp:
+        json.dump(out, fp, indent=2, sort_keys=True)
+    if out["error"]:
+        print(f"pdgate e2e: {out['error']}", file=sys.stderr)
+    for key in (*KEYS, "dropped_frames", "rejected_frames", "disturbed", "trace_valid"):
         print(f"{key:24s} {out[key]}")
     if not out["trace_valid"]:
         print(f"trace: {out['trace_message']}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fp:
-            json.dump(out, fp, indent=2, sort_keys=True)
-    ok = out["trace_valid"] and out["byte_exact"] and out["lost"] == 0 and out["disagree"] == 0
+    print(f"json {json_path}; trace {out['trace']}")
+    if ok and not args.keep_logs:
+        _remove_rank_files(Path(out["work_dir"]), args.ranks)
+    else:
+        print(f"rank logs kept in {out['work_dir']}")
     return 0 if ok else 1
+
+
+def _remove_rank_files(work: Path, ranks: int) -> None:
+    """A good run keeps its JSON and trace, not the per-child logs."""
+    names = [f"rank{r}{ext}" for r in range(ranks)
+             for ext in (".jsonl", ".jsonl.result.json", ".stderr")] + ["prefill0.stderr"]
+    for name in names:
+        try:
+            (work / name).unlink()
+        except OSError:
+            pass

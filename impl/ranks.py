@@ -1,6 +1,7 @@
 """Run T ranks as T processes on one gloo group over 127.0.0.1, with timeouts everywhere.
 
-The parent owns the rendezvous store (a TCPStore on an ephemeral port, so no port race),
+The parent owns the rendezvous store (a TCPStore on an ephemeral port, so no port race,
+bound to 127.0.0.1 only),
 spawns the children, and kills every child it started if one fails or the deadline
 passes. Each child calls ``target(rank, world_size, *args)`` after joining the group and
 its JSON-able return value comes back through a file.
@@ -20,6 +21,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from impl.decode.collective import rendezvous_store
+
 
 class RanksFailed(RuntimeError):
     """A child crashed, or the ranks did not finish before the deadline."""
@@ -32,13 +35,14 @@ class RankOutcome:
     value: Any
 
 
+HOST = "127.0.0.1"      # the store and gloo's pair sockets listen here only
+
+
 def _child(target: Callable[..., Any], rank: int, world: int, port: int, group_timeout_s: float,
            out_path: str, args: tuple) -> None:
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=group_timeout_s)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        store = rendezvous_store(HOST, port, world, is_master=False, timeout_s=group_timeout_s)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         value = target(rank, world, *args)
         payload = {"ok": True, "value": value}
@@ -68,8 +72,7 @@ def run_ranks(target: Callable[..., Any], world: int, args: tuple = (), *,
     children are then killed)."""
     if world < 1:
         raise ValueError(f"need at least one rank, got {world}")
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=group_timeout_s))
+    store = rendezvous_store(HOST, 0, world + 1, is_master=True, timeout_s=group_timeout_s)
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="pdgate-ranks-") as tmp:
         paths = [os.path.join(tmp, f"rank{k}.json") for k in range(world)]

@@ -15,18 +15,22 @@ import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from impl.decode.collective import GlooExchange
 from impl.decode.errors import CollectiveError, DecodeInputError
 from impl.decode.trace import StepTrace
 from impl.ranks import RanksFailed, run_ranks
 from impl.scripted import RankHarness
-from model.spec.events import Event, Step
+from model.spec.events import Enqueue, Event, Step
+from model.spec.invariants import Violation
 from model.spec.machine import RankStep, StepRecord
-from model.spec.trace import (Header, TraceInputError, TraceWriter, open_records, parse_record,
-                              read_trace_file)
-from model.spec.validate import ValidationResult, validate
+from model.cli import number, writable_problem
+from model.spec.trace import (Header, TraceFormatError, TraceInputError, TraceWriter, open_records,
+                              parse_record, read_trace_file, require_enqueued, require_nothing_after)
+from model.spec.validate import ValidationResult, validate, violation_line
+
+MAX_RANKS = 32      # one process each
 
 
 @dataclass(frozen=True)
@@ -50,19 +54,25 @@ class ReplayResult:
         return self.error is None and self.validation.ok
 
 
-def load_script(lines: Sequence[str]) -> Script:
-    """Parse a trace (raises TraceFormatError); violation claims are not driven."""
-    header, _, records = open_records(lines)
+def load_script(lines: Iterable[str]) -> Script:
+    """Parse a whole trace, up to its ``end`` record and nothing after it (raises
+    TraceFormatError); violation claims are not driven."""
+    header, line, records = open_records(lines)
     events: list[Event] = []
+    enqueued: set[int] = set()
     for line, obj in records:
         rec = parse_record(obj, line, header)
         if isinstance(rec, int):
-            break
+            require_nothing_after(records, line)
+            return Script(header, tuple(events))
+        require_enqueued(rec, enqueued, line)
+        if isinstance(rec, Enqueue):
+            enqueued.add(rec.req)
         if isinstance(rec, StepRecord):
             events.append(Step())
-        elif not hasattr(rec, "invariant"):
+        elif not isinstance(rec, Violation):
             events.append(rec)
-    return Script(header, tuple(events))
+    raise TraceFormatError(line, "trace ended before its end record (cut short?)")
 
 
 def _replay_rank(rank: int, world: int, scripts: list[Script], collective_timeout_s: float) -> list[dict]:
@@ -146,24 +156,31 @@ def replay_scripts(scripts: Sequence[Script], ranks: int, *, collective_timeout_
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="NDJSON spec trace (docs/trace-format.md)")
-    p.add_argument("--ranks", type=int, help="number of gloo processes (default: the trace's ranks)")
+    p.add_argument("--ranks", type=number(1, MAX_RANKS, integer=True),
+                   help=f"number of gloo processes, 1..{MAX_RANKS} (default: the trace's ranks)")
     p.add_argument("--out", help="where to write the impl trace (default: TRACE.impl.jsonl)")
-    p.add_argument("--collective-timeout", type=float, default=10.0, metavar="S",
-                   help="timeout of every collective, seconds (default 10)")
-    p.add_argument("--deadline", type=float, default=120.0, metavar="S",
+    p.add_argument("--collective-timeout", type=number(0, 3600, above=True), default=10.0,
+                   metavar="S", help="timeout of every collective, seconds (default 10)")
+    p.add_argument("--deadline", type=number(0, 86400, above=True), default=120.0, metavar="S",
                    help="kill the ranks after this many seconds (default 120)")
 
 
 def run(args: argparse.Namespace) -> int:
     name = "pdgate replay"
+    out = Path(args.out) if args.out else Path(args.trace).with_suffix(".impl.jsonl")
+    problem = writable_problem(out, args.trace)
+    if problem:
+        print(f"{name}: {problem}", file=sys.stderr)
+        return 2
     try:
-        script = read_trace_file(args.trace, lambda fp: load_script(fp.readlines()))
+        script = read_trace_file(args.trace, load_script)
     except TraceInputError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     ranks = args.ranks if args.ranks is not None else script.header.ranks
-    if args.collective_timeout <= 0 or args.deadline <= 0:
-        print(f"{name}: --collective-timeout and --deadline must be > 0", file=sys.stderr)
+    if ranks > MAX_RANKS:
+        print(f"{name}: the trace has {ranks} ranks; replay runs at most {MAX_RANKS} processes",
+              file=sys.stderr)
         return 2
     try:
         [result] = replay_scripts([script], ranks, collective_timeout_s=args.collective_timeout,
@@ -174,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     except RanksFailed as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 1
-    out = Path(args.out) if args.out else Path(args.trace).with_suffix(".impl.jsonl")
     try:
         out.write_text(result.trace, encoding="utf-8")
     except OSError as exc:
@@ -182,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     v = result.validation
     print(f"impl trace: {out} ({result.steps} steps on {ranks} gloo ranks); spec: {v.message}")
+    broken = violation_line(v)
+    if broken:      # the spec allowed every step, and this is what those steps broke
+        print(broken)
     if result.error_kind == "divergence":
         print(f"{name}: {script.header.variant} diverged at step {result.steps}: {result.error}")
         return 1

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
+from pathlib import Path
+from typing import Callable
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -20,6 +24,49 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "e2e": ("impl.e2e", "end to end over real Mooncake: one prefill, T decode ranks"),
     "bench": ("bench.cli", "run the benchmarks in bench/ and print their figures"),
 }
+
+
+# -- shared argument handling: every subcommand's flags go through these ------------
+def number(lo: float | None = None, hi: float | None = None, *, above: bool = False,
+           integer: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number (NaN and inf refused) in ``lo``..``hi``
+    (``above``: strictly greater than ``lo``); ``integer`` also refuses fractions."""
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{'an integer' if integer else 'a number'} expected, got {text[:40]!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"a finite number expected, got {text[:40]!r}")
+        if lo is not None and (value <= lo if above else value < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {lo:g}, got {text[:40]}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {text[:40]}")
+        return value
+    parse.__name__ = "integer" if integer else "number"     # argparse names it in errors
+    return parse
+
+
+def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be written (checked before any work), or None: its folder
+    must exist and be writable, it must not be a folder, and it must not be one of the
+    ``inputs`` (``replay X --out X`` would overwrite its own input)."""
+    out = Path(path)
+    for src in inputs:
+        try:
+            if out.exists() and Path(src).exists() and out.samefile(src):
+                return f"{path} is also the input; choose another output path"
+        except OSError:
+            pass
+    if out.is_dir():
+        return f"{path} is a directory"
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        return f"cannot write {path}: folder {parent} does not exist"
+    if out.exists() and not os.access(out, os.W_OK) or not out.exists() and not os.access(parent, os.W_OK):
+        return f"cannot write {path}: permission denied"
+    return None
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -64,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pdgate {args.command}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RecursionError) as exc:
+        print(f"pdgate {args.command}: out of {'memory' if isinstance(exc, MemoryError) else 'stack'}"
+              " (input too large?)", file=sys.stderr)
+        return 1
+    except Exception as exc:     # a bug: still one line (the hostile suite fails on this text)
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        print(f"pdgate {args.command}: internal error: {type(exc).__name__}: {first}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

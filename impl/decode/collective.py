@@ -12,6 +12,9 @@ the ranks reduced the same queue; on the rare failure a second small collective
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -237,3 +240,41 @@ def agree_min(exchange: GlooExchange, values: torch.Tensor, *, fingerprint: torc
     if message is None or message.capacity != capacity:
         message = Message(capacity)
     return torch.from_numpy(message.reduce(exchange, values.cpu(), length, fingerprint, ok))
+
+
+# -- rendezvous: the gloo store binds the configured host, never every interface ------
+def rendezvous_store(host: str, port: int, world: int, *, is_master: bool,
+                     timeout_s: float) -> dist.TCPStore:
+    """The TCPStore a gloo group meets at, listening on ``host`` only.
+
+    torch's TCPStore master listens on every interface (IPv4 and IPv6) whatever host
+    it is given; passing it a socket we bound ourselves (``master_listen_fd``) confines
+    it to ``host``. ``port`` 0 picks a free one (read it from ``store.port``). Clients
+    just connect. Also points gloo's own pair sockets at the loopback device when
+    ``host`` is a loopback address (GLOO_SOCKET_IFNAME, unless the caller set it)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _is_loopback(host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not is_master:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world))
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The store owns the descriptor from here on (and closes it): detach it from ours.
+    return dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=sock.detach())
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+

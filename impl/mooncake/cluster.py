@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from impl.mooncake.auth import new_secret, rank_key
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -106,9 +108,13 @@ class Child:
 
 
 class Cluster:
+    """One deployment: a fresh secret (impl.mooncake.auth) handed to every prefill and,
+    as its own key, to every decode rank on their stdin before they open any socket."""
+
     def __init__(self, ranks: int, workdir: Path, workload: list[str], rank_args: list[str],
                  host: str = "127.0.0.1", timeout_s: float = 120.0):
         self.ranks, self.workdir, self.host = ranks, Path(workdir), host
+        self.secret = new_secret()
         self.workload, self.rank_args, self.timeout_s = workload, rank_args, timeout_s
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -124,6 +130,7 @@ class Cluster:
                 "--lifetime-s", str(self.timeout_s), *extra]
         child = Child(name, argv, self.workdir, self.env)
         self.prefills.append(child)
+        child.send({"secret": self.secret.hex()})
         hello = child.read(60, "endpoint line")
         return child, hello["endpoint"]
 
@@ -134,7 +141,9 @@ class Cluster:
                     "--rank", str(r), "--world", str(self.ranks), "--master-port", str(port),
                     "--host", self.host, "--log", str(self.workdir / f"rank{r}.jsonl"),
                     "--lifetime-s", str(self.timeout_s)]
-            self.decode.append(Child(f"rank{r}", argv, self.workdir, self.env))
+            child = Child(f"rank{r}", argv, self.workdir, self.env)
+            self.decode.append(child)
+            child.send({"key": rank_key(self.secret, r).hex()})
         for c in self.decode:
             c.read(90, "ready line")
 

@@ -4,7 +4,15 @@ It registers the rank's KV pool and metadata fields with its engine, handshakes 
 each prefill it is told about (HELLO), starts one ``MooncakeKVReceiver`` per request
 (XFER: the request's page indices and metadata slot), and runs one I/O thread that
 consumes status frames ``[room, status, prefill_rank]`` and heartbeats every prefill.
-Frames are checked before anything is touched; bad ones are counted, logged, dropped.
+Every frame carries an HMAC tag under this rank's key (impl.mooncake.auth): a frame
+whose tag does not verify is counted in ``rejected`` and dropped before it is parsed;
+an authenticated frame that is malformed or not expected is counted in ``dropped``.
+Nothing is touched before a frame passed every check.
+
+A prefill that cannot be reached fails fast: the handshake waits at most
+``connect_timeout_s``, and for ``retry_s`` after a failed handshake or a death the
+endpoint is not tried again, so a whole backlog of requests for a dead prefill fails
+in the step that admits it instead of blocking the rank once per request.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.utils.monitor
 
+from impl.mooncake import auth
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Region
 from impl.mooncake.receiver import FAILED, SUCCESS, MooncakeKVReceiver
@@ -24,7 +33,11 @@ log = logging.getLogger("pdgate.mooncake.decode")
 
 
 class BootstrapError(MooncakeError):
-    """The handshake with a prefill failed or timed out."""
+    """The handshake with a prefill failed or timed out (``reason``: why, short)."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ class PrefillLink:
     monitor: zmq.Socket                   # I/O thread only: sock's connection events
     alive: bool = True
     last_pong: float = field(default_factory=time.monotonic)
-    dead_at: float | None = None
+    dead_at: float | None = None        # until fenced after fence_grace_s
+    died_at: float | None = None        # when it was found dead (kept)
 
 
 @dataclass
@@ -70,21 +84,28 @@ class DecodeTransport:
     def __init__(self, rank: int, engine: Engine, kv: BufferSpec, fields: list[BufferSpec],
                  room_field: str = "bootstrap_room", host: str = "127.0.0.1",
                  heartbeat_s: float = 0.2, heartbeat_misses: int = 5,
-                 fence_grace_s: float = 30.0, timeout_s: float = 5.0):
+                 fence_grace_s: float = 30.0, connect_timeout_s: float = 1.0,
+                 retry_s: float = 5.0, *, key: bytes):
         if room_field not in {f.name for f in fields}:
             raise ValueError(f"room field {room_field!r} is not among the metadata fields")
         self.rank, self.engine, self.kv, self.fields = rank, engine, kv, fields
-        self.room_field, self.host, self.timeout_s = room_field, host, timeout_s
+        self.room_field, self.host = room_field, host
+        self.connect_timeout_s, self.retry_s = connect_timeout_s, retry_s
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         self.fence_grace_s = fence_grace_s
-        self.dropped = 0                  # frames logged and dropped (tests read it)
+        self._key = key
+        self._rank_part = fr.encode_rank(rank)
+        self.dropped = 0                  # authenticated frames that were malformed/unexpected
+        self.rejected = 0                 # frames that failed authentication
         self._regions: list[Region] = [engine.register(b.name, b.addr, b.nbytes)
                                        for b in [kv, *fields]]
         self._ctx = zmq.Context.instance()
         self._status = self._ctx.socket(zmq.PULL)
         self._status.setsockopt(zmq.LINGER, 0)
+        self._status.setsockopt(zmq.MAXMSGSIZE, fr.MAX_STATUS_PART)
         port = self._status.bind_to_random_port(f"tcp://{host}")
         self.status_endpoint = f"tcp://{host}:{port}"
+        self._unreachable: dict[str, tuple[float, str]] = {}   # endpoint -> (since, why)
         self._links: dict[str, PrefillLink] = {}
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
@@ -99,36 +120,75 @@ class DecodeTransport:
         return fr.Hello(self.rank, self.engine.session_id, self.status_endpoint, self.kv.addr,
                         self.kv.item_bytes, self.kv.items, layout, self.room_field)
 
+    def _dealer(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, fr.MAX_REPLY_PART)
+        return sock
+
+    def _send(self, sock: zmq.Socket, frame: list[bytes], flags: int = 0) -> None:
+        """``[kind, body]`` as ``[kind, rank, body, tag]`` under this rank's key."""
+        kind, body = frame
+        sock.send_multipart(auth.seal(self._key, auth.Channel(auth.TO_PREFILL, self.rank),
+                                      [kind, self._rank_part, body]), flags)
+
+    def _open(self, parts: list[bytes], direction: bytes) -> list[bytes] | None:
+        """The parts without their tag if it verifies (else counted as rejected)."""
+        body = auth.unseal(self._key, auth.Channel(direction, self.rank), parts)
+        if body is None:
+            self.rejected += 1
+            if self.rejected <= 20 or self.rejected % 1000 == 0:
+                log.warning("rank %d: rejected unauthenticated frame (%d so far)",
+                            self.rank, self.rejected)
+        return body
+
     def connect(self, endpoint: str) -> PrefillLink:
-        """Handshake with the prefill at ``endpoint`` (once; cached while it is alive,
-        so a prefill restarted on the same endpoint gets a fresh handshake)."""
+        """Handshake with the prefill at ``endpoint`` (once; cached while it is alive, so
+        a prefill restarted on the same endpoint gets a fresh handshake, at most once per
+        ``retry_s``). Waits at most ``connect_timeout_s``; raises BootstrapError at once
+        while the endpoint is known unreachable."""
         link = self._links.get(endpoint)
         if link is not None and link.alive:
             return link
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        now = time.monotonic()
+        with self._lock:
+            since, why = self._unreachable.get(endpoint, (None, ""))
+        if since is not None and now - since < self.retry_s:
+            raise BootstrapError(f"rank {self.rank}: prefill {endpoint} {why}")
+        try:
+            return self._handshake(endpoint)
+        except BootstrapError as exc:
+            with self._lock:
+                self._unreachable[endpoint] = (time.monotonic(), exc.reason)
+            raise
+
+    def _handshake(self, endpoint: str) -> PrefillLink:
+        sock = self._dealer()
         # Created here, used only by the I/O thread from now on: it sees the connection
         # drop even if the prefill dies before the first heartbeat.
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint)
-        sock.send_multipart(self.hello().encode())
-        if not sock.poll(int(self.timeout_s * 1000)):
+
+        def fail(why: str) -> BootstrapError:
             monitor.close()
             sock.close()
-            raise BootstrapError(f"rank {self.rank}: no HELLO reply from prefill {endpoint} "
-                                 f"within {self.timeout_s} s")
-        reply = sock.recv_multipart()
+            return BootstrapError(f"rank {self.rank}: prefill {endpoint} {why}", why)
+        sock.connect(endpoint)
+        self._send(sock, self.hello().encode())
+        if not sock.poll(int(self.connect_timeout_s * 1000)):
+            raise fail(f"did not answer HELLO within {self.connect_timeout_s:g} s")
+        reply = self._open(sock.recv_multipart(), auth.REPLY)
+        if reply is None:
+            raise fail("answered HELLO with a frame that failed authentication")
         try:
             if len(reply) != 2 or reply[0] != fr.HELLO_OK:
-                raise fr.FrameError(f"prefill refused: {reply[-1][:200]!r}")
+                raise fr.FrameError(f"refused: {reply[-1][:200]!r}")
             prefill_rank, session = fr.decode_hello_ok(reply[1])
         except fr.FrameError as exc:
-            monitor.close()
-            sock.close()
-            raise BootstrapError(f"rank {self.rank}: handshake with {endpoint}: {exc}") from None
+            raise fail(f"handshake: {exc}") from None
         link = PrefillLink(endpoint, prefill_rank, session, sock, monitor)
         with self._lock:
             self._links[endpoint] = link
+            self._unreachable.pop(endpoint, None)
         return link
 
     def start(self, room: int, slot: int, pages: tuple[int, ...], endpoint: str) -> MooncakeKVReceiver:
@@ -151,16 +211,23 @@ class DecodeTransport:
         try:
             link = self.connect(endpoint)
         except BootstrapError as exc:
-            receiver.deliver(FAILED, str(exc))
+            self._never_sent(receiver, str(exc))
             return receiver
         with self._lock:
             self._entries[room] = _Entry(receiver, link)
             alive = link.alive
         if not alive:
-            receiver.deliver(FAILED, f"prefill {endpoint} is unreachable")
+            self._never_sent(receiver, f"prefill {endpoint} is unreachable")
             return receiver
-        link.sock.send_multipart(fr.Xfer(room, self.rank, slot, tuple(pages)).encode())
+        self._send(link.sock, fr.Xfer(room, self.rank, slot, tuple(pages)).encode())
         return receiver
+
+    @staticmethod
+    def _never_sent(receiver: MooncakeKVReceiver, why: str) -> None:
+        """No XFER went out, so no write can ever land: Failed, and fenced already (its
+        slot and pages are free once the request leaves, no grace period)."""
+        receiver.deliver(FAILED, why)
+        receiver.deliver_fence()
 
     def abort(self, room: int) -> None:
         """Ask the prefill to stop writing ``room`` here and answer FENCED once nothing is
@@ -168,7 +235,7 @@ class DecodeTransport:
         with self._lock:
             entry = self._entries.get(room)
         if entry is not None and entry.link.alive:
-            entry.link.sock.send_multipart(fr.encode_abort(room, self.rank))
+            self._send(entry.link.sock, fr.encode_abort(room, self.rank))
 
     def forget(self, room: int) -> None:
         with self._lock:
@@ -185,8 +252,11 @@ class DecodeTransport:
             log.warning("rank %d: dropped control frame (%d so far): %s", self.rank, self.dropped, why)
 
     def _on_status(self, parts: list[bytes]) -> None:
+        body = self._open(parts, auth.STATUS)
+        if body is None:
+            return
         try:
-            st = fr.decode_status(parts)
+            st = fr.decode_status(body)
         except fr.FrameError as exc:
             self._drop(str(exc))
             return
@@ -210,8 +280,7 @@ class DecodeTransport:
         """The I/O thread's side of one link: its own DEALER for PING/PONG, and the
         monitor of the link's DEALER, which reports the TCP connection dropping (a
         killed prefill; a frozen one keeps its connections and misses heartbeats)."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._dealer()
         sock.connect(link.endpoint)
         poller.register(sock, zmq.POLLIN)
         poller.register(link.monitor, zmq.POLLIN)
@@ -227,7 +296,7 @@ class DecodeTransport:
                 w = watches[id(link)] = self._watch(link, poller)
             if link.alive:
                 try:
-                    w.sock.send_multipart(fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                    self._send(w.sock, fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
                 except zmq.Again:           # not connected, or pings piling up: a miss
                     pass
                 if now - link.last_pong > self.heartbeat_s * self.heartbeat_misses:
@@ -244,7 +313,9 @@ class DecodeTransport:
     def _mark_dead(self, link: PrefillLink, now: float, why: str) -> None:
         if not link.alive:
             return
-        link.alive, link.dead_at = False, now
+        link.alive, link.dead_at, link.died_at = False, now, now
+        with self._lock:
+            self._unreachable[link.endpoint] = (now, why)
         log.warning("rank %d: prefill %s %s: failing its requests", self.rank, link.endpoint, why)
         for e in self._link_entries(link):
             e.receiver.deliver(FAILED, f"prefill {link.endpoint} {why}")
@@ -295,6 +366,9 @@ class DecodeTransport:
             self._mark_dead(w.link, time.monotonic(), "closed its connection")
 
     def _on_pong(self, w: _Watch, parts: list[bytes]) -> None:
+        parts = self._open(parts, auth.REPLY)
+        if parts is None:
+            return
         if len(parts) != 2 or parts[0] != fr.PONG:
             self._drop(f"unexpected heartbeat reply {parts[:1]!r}")
             return

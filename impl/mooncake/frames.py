@@ -3,14 +3,20 @@
 Every decoder here checks types, lengths and ranges and raises ``FrameError`` (one
 line) before the caller touches any buffer; the caller logs and drops the frame.
 
-decode -> prefill (ZMQ DEALER -> ROUTER), multipart ``[kind, body]``:
+Every frame also carries the rank it is from or for and an HMAC tag (impl.mooncake.auth);
+the transports check the tag before any decoder here runs. Sizes are capped twice:
+ZMQ's MAXMSGSIZE on every socket (a bigger frame drops the connection) and the checks
+here.
+
+decode -> prefill (ZMQ DEALER -> ROUTER), multipart ``[kind, rank, body, tag]``:
   HELLO  JSON: rank, session, status endpoint, KV pool and metadata field layout
   XFER   ``<QHII`` room, rank, slot, n_pages + n_pages x ``<I`` page index
   ABORT  ``<QH`` room, rank
   PING   ``<HQ`` rank, sequence number
-prefill -> decode replies: HELLO_OK (JSON: prefill_rank, session), ERROR (text), PONG.
-prefill -> decode status (PUSH -> PULL), SGLang's three ASCII parts
-``[room, status, prefill_rank]`` with status Failed=0, Success=4 or FENCED=5.
+prefill -> decode replies ``[kind, body, tag]``: HELLO_OK (JSON: prefill_rank, session),
+ERROR (text), PONG.
+prefill -> decode status (PUSH -> PULL), SGLang's three ASCII parts and the tag
+``[room, status, prefill_rank, tag]`` with status Failed=0, Success=4 or FENCED=5.
 """
 from __future__ import annotations
 
@@ -29,6 +35,11 @@ MAX_PAGES = 1 << 16
 MAX_RANKS = 1 << 12
 MAX_FIELDS = 32
 _U64 = (1 << 64) - 1
+_RANK = struct.Struct("<H")
+# ZMQ_MAXMSGSIZE per socket: the largest single part each may receive.
+MAX_TO_PREFILL_PART = 18 + 4 * MAX_PAGES + 64      # the largest XFER body, with slack
+MAX_REPLY_PART = MAX_JSON_BYTES + 1024
+MAX_STATUS_PART = 64                               # 20 digits, or a 32-byte tag
 _XFER_HEAD = struct.Struct("<QHII")
 _ABORT = struct.Struct("<QH")
 _PING = struct.Struct("<HQ")
@@ -54,6 +65,16 @@ def _parts(frames: Sequence[bytes], n: int, what: str) -> Sequence[bytes]:
     if len(frames) != n or not all(isinstance(f, (bytes, bytearray, memoryview)) for f in frames):
         raise FrameError(f"{what}: expected {n} byte frames, got {len(frames)}")
     return frames
+
+
+def encode_rank(rank: int) -> bytes:
+    return _RANK.pack(rank)
+
+
+def decode_rank(part: bytes) -> int:
+    if len(part) != _RANK.size:
+        raise FrameError(f"rank part must be {_RANK.size} bytes, got {len(part)}")
+    return _RANK.unpack(part)[0]
 
 
 # -- HELLO: one decode rank's registration ---------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from impl.mooncake import auth
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Write
 from impl.mooncake.synth import ROOM_FIELD, RequestSpec, kv_bytes, metadata_row
@@ -76,12 +77,15 @@ def merge_runs(writes: list[Write]) -> list[Write]:
 
 class PrefillServer:
     def __init__(self, engine: Engine, specs: list[RequestSpec], ranks: int, page_bytes: int,
-                 host: str = "127.0.0.1", port: int = 0, prefill_rank: int = 0,
-                 workers: int = 1, faults: Faults | None = None):
+                 *, secret: bytes, host: str = "127.0.0.1", port: int = 0,
+                 prefill_rank: int = 0, workers: int = 1, faults: Faults | None = None):
         self.engine, self.ranks, self.page_bytes = engine, ranks, page_bytes
         self.prefill_rank, self.faults = prefill_rank, faults or Faults()
         self.specs = {s.room: s for s in specs}
-        self.dropped = 0
+        # Rank r's key, derived once: every frame from or to rank r is tagged with it.
+        self._keys = [auth.rank_key(secret, r) for r in range(ranks)]
+        self.dropped = 0                  # authenticated, but malformed or not allowed
+        self.rejected = 0                 # failed authentication (or claimed no rank)
         self.kv_bytes_written = 0
         self.write_seconds, self.first_write, self.last_write = 0.0, float("inf"), 0.0
         self.write_log: list[tuple[str, list[Write]]] = []  # what the baseline replays
@@ -112,6 +116,7 @@ class PrefillServer:
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, fr.MAX_TO_PREFILL_PART)
         if port:
             self._router.bind(f"tcp://{host}:{port}")
         else:
@@ -131,18 +136,46 @@ class PrefillServer:
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("prefill: dropped control frame (%d so far): %s", self.dropped, why)
 
+    def _reject(self, why: str) -> None:
+        self.rejected += 1
+        if self.rejected <= 20 or self.rejected % 1000 == 0:
+            log.warning("prefill: rejected unauthenticated frame (%d so far): %s", self.rejected, why)
+
+    def _authenticate(self, parts: list[bytes]) -> tuple[bytes, bytes, int, bytes] | None:
+        """[identity, kind, rank, body, tag] -> (identity, kind, rank, body) if the tag
+        verifies under that rank's key; else counted as rejected and None."""
+        if len(parts) != 5:
+            self._reject(f"expected [identity, kind, rank, body, tag], got {len(parts)} frames")
+            return None
+        ident, kind, rank_b, body, _ = parts
+        try:
+            rank = fr.decode_rank(rank_b)
+        except fr.FrameError as exc:
+            self._reject(str(exc))
+            return None
+        if rank >= self.ranks:
+            self._reject(f"frame claims rank {rank}, outside 0..{self.ranks - 1}")
+            return None
+        if auth.unseal(self._keys[rank], auth.Channel(auth.TO_PREFILL, rank), parts[1:]) is None:
+            self._reject(f"{kind[:16]!r} claiming rank {rank}: bad tag")
+            return None
+        return ident, kind, rank, body
+
+    def _reply(self, ident: bytes, rank: int, parts: list[bytes]) -> None:
+        self._router.send_multipart(
+            [ident, *auth.seal(self._keys[rank], auth.Channel(auth.REPLY, rank), parts)])
+
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
                 if not self._router.poll(100):
                     continue
-                parts = self._router.recv_multipart()
-                if len(parts) != 3:
-                    self._drop(f"expected [identity, kind, body], got {len(parts)} frames")
+                got = self._authenticate(self._router.recv_multipart())
+                if got is None:
                     continue
-                ident, kind, body = parts
+                ident, kind, rank, body = got
                 try:
-                    self._handle(ident, kind, body)
+                    self._handle(ident, kind, rank, body)
                 except fr.FrameError as exc:
                     self._drop(f"{kind[:16]!r}: {exc}")
                 except Exception as exc:         # never let one frame stop the server
@@ -150,24 +183,32 @@ class PrefillServer:
         except zmq.ContextTerminated:
             pass
 
-    def _handle(self, ident: bytes, kind: bytes, body: bytes) -> None:
+    def _handle(self, ident: bytes, kind: bytes, sender: int, body: bytes) -> None:
+        """One authenticated frame from rank ``sender``: its body must speak for that rank."""
+        def same_rank(rank: int) -> int:
+            if rank != sender:
+                raise fr.FrameError(f"body names rank {rank}, the frame is tagged by rank {sender}")
+            return rank
         if kind == fr.PING:
             rank, seq = fr.decode_ping(body)
-            self._router.send_multipart([ident, *fr.encode_ping(rank, seq, fr.PONG)])
+            self._reply(ident, same_rank(rank), fr.encode_ping(rank, seq, fr.PONG))
         elif kind == fr.HELLO:
             try:
-                rank = self._register(fr.decode_hello(body))
+                hello = fr.decode_hello(body)
+                same_rank(hello.rank)
+                rank = self._register(hello)
             except fr.FrameError as exc:
-                self._router.send_multipart([ident, fr.ERROR, str(exc).encode()[:500]])
+                self._reply(ident, sender, [fr.ERROR, str(exc).encode()[:500]])
                 raise
             self._identity_rank[ident] = rank
-            self._router.send_multipart([ident, *fr.encode_hello_ok(self.prefill_rank,
-                                                                     self.engine.session_id)])
+            self._reply(ident, rank, fr.encode_hello_ok(self.prefill_rank, self.engine.session_id))
         elif kind == fr.XFER:
-            self._on_xfer(ident, fr.decode_xfer(body))
+            x = fr.decode_xfer(body)
+            same_rank(x.rank)
+            self._on_xfer(ident, x)
         elif kind == fr.ABORT:
             room, rank = fr.decode_abort(body)
-            if self._identity_rank.get(ident) != rank:
+            if self._identity_rank.get(ident) != same_rank(rank):
                 raise fr.FrameError(f"ABORT for rank {rank} from a peer that did not HELLO as it")
             self._on_abort(room, rank)
         else:
@@ -250,7 +291,9 @@ class PrefillServer:
 
     def _send_status(self, rank: int, room: int, status: int) -> None:
         with self._push_lock:
-            self._ranks[rank].push.send_multipart(fr.Status(room, status, self.prefill_rank).encode())
+            self._ranks[rank].push.send_multipart(auth.seal(
+                self._keys[rank], auth.Channel(auth.STATUS, rank),
+                fr.Status(room, status, self.prefill_rank).encode()))
 
     # -- the writes ----------------------------------------------------------------------
     def kv_writes(self, job: _Job) -> list[Write]:

@@ -28,11 +28,14 @@ import torch
 
 from impl.decode import (Aborted, Committed, DecodeRequest, DecodeTransferQueue, GlooExchange,
                          MetadataBuffers, Req, SlotAllocator, StepTrace)
+from impl.decode.collective import rendezvous_store
+from impl.mooncake.auth import receive_key
 from impl.mooncake.decode import BufferSpec, DecodeTransport
 from impl.mooncake.engine import Engine
 from impl.mooncake.landing import Landing, Tracked
 from impl.mooncake.stdio import StdinLines
 from impl.mooncake.synth import RequestSpec, kv_page, make_requests, metadata_row
+from model.cli import number
 from model.spec.trace import event_record
 
 
@@ -64,6 +67,8 @@ class DecodeRank:
         self.visible = MetadataBuffers(a.slots, device=dev)
         self.pool = torch.empty((a.pages, a.page_bytes), dtype=torch.uint8, device=dev)
         self.pool.fill_(0)            # touch every page now, not during the first transfers
+        self.stdin = StdinLines()
+        key = receive_key(self.stdin, "key")          # out of band, before anything listens
         self.engine = Engine(a.host)
         info = self.landing_bufs.buf_infos()
         fields = [BufferSpec(n, p, item, total // item)
@@ -71,9 +76,11 @@ class DecodeRank:
         self.transport = DecodeTransport(
             self.rank, self.engine, BufferSpec("kv", self.pool.data_ptr(), a.page_bytes, a.pages),
             fields, host=a.host, heartbeat_s=a.heartbeat_ms / 1000, heartbeat_misses=a.heartbeat_misses,
-            fence_grace_s=a.fence_grace_s, timeout_s=a.collective_timeout_s)
-        dist.init_process_group("gloo", init_method=f"tcp://{a.host}:{a.master_port}",
-                                rank=self.rank, world_size=a.world,
+            fence_grace_s=a.fence_grace_s, connect_timeout_s=a.connect_timeout_s, key=key)
+        # Our own store (bound to --host, not every interface), not init_method="tcp://".
+        store = rendezvous_store(a.host, a.master_port, a.world, is_master=self.rank == 0,
+                                 timeout_s=a.collective_timeout_s)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=a.world,
                                 timeout=datetime.timedelta(seconds=a.collective_timeout_s))
         self.exchange = GlooExchange(None, a.collective_timeout_s)
         self.queue = DecodeTransferQueue(None, self.visible, SlotAllocator(a.slots), a.variant,
@@ -91,7 +98,6 @@ class DecodeRank:
         # ^ committed, row and KV not yet checked: (outcome record, the row read at commit)
         self.held: dict[int, Tracked] = {}               # ...and left the landing tracker
         self.busy = False                          # served requests not all decided yet
-        self.stdin = StdinLines()
         kv_page(RequestSpec(0, 1, 1, 0), 0, 0, a.page_bytes)   # build the shared random block now
 
     # -- commands -----------------------------------------------------------------------
@@ -223,27 +229,39 @@ class DecodeRank:
         with open(path, "w", encoding="utf-8") as fp:
             json.dump({"rank": self.rank, "steps": self.queue.steps, "results": self.results,
                        "step_starts": self.step_starts, "dropped": self.transport.dropped,
+                       "rejected": self.transport.rejected,
                        "slots": self.a.slots}, fp)
         self.log.fp.close()
         emit({"result": path})
 
 
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by the rank process and ``pdgate e2e`` (which forwards them)."""
+    """Flags shared by the rank process and ``pdgate e2e`` (which forwards them). Each
+    range is what a run can use: outside it healthy requests would abort (a heartbeat
+    window of 0) or the rank could not start (a pool bigger than memory)."""
     p.add_argument("--variant", choices=("gate", "strict"), default="strict")
-    p.add_argument("--timeout-steps", type=int, default=None,
+    p.add_argument("--timeout-steps", type=number(1, 10**9, integer=True), default=None,
                    help="strict's bound in steps (default: about 3 s of steps)")
-    p.add_argument("--slots", type=int, default=64, help="metadata slots per rank")
-    p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
-    p.add_argument("--inflight", type=int, default=16, help="most requests in the queue")
-    p.add_argument("--step-ms", type=float, default=2.0, help="scheduler step period")
+    p.add_argument("--slots", type=number(1, 1 << 16, integer=True), default=64,
+                   help="metadata slots per rank")
+    p.add_argument("--pages", type=number(1, 1 << 20, integer=True), default=512,
+                   help="KV pages per rank")
+    p.add_argument("--inflight", type=number(1, 1 << 16, integer=True), default=16,
+                   help="most requests in the queue")
+    p.add_argument("--step-ms", type=number(0, 10_000, above=True), default=2.0,
+                   help="scheduler step period")
     p.add_argument("--device", default="cpu", help="cpu or cuda (KV pool and metadata buffers)")
     p.add_argument("--host", default="127.0.0.1", help="address every socket binds to")
-    p.add_argument("--heartbeat-ms", type=float, default=100.0)
-    p.add_argument("--heartbeat-misses", type=int, default=5)
-    p.add_argument("--fence-grace-s", type=float, default=30.0,
+    p.add_argument("--heartbeat-ms", type=number(10, 60_000), default=100.0,
+                   help="ping period per prefill, 10..60000 ms")
+    p.add_argument("--heartbeat-misses", type=number(2, 10_000, integer=True), default=5,
+                   help="silent heartbeats before a prefill is declared dead, 2..10000")
+    p.add_argument("--fence-grace-s", type=number(0, 3600), default=30.0,
                    help="after a prefill died, wait this long before reusing its slots")
-    p.add_argument("--collective-timeout-s", type=float, default=20.0)
+    p.add_argument("--collective-timeout-s", type=number(0, 3600, above=True), default=20.0)
+    p.add_argument("--connect-timeout-s", type=number(0, 60, above=True), default=1.0,
+                   help="bound on one handshake with a prefill; a prefill that does not "
+                        "answer fails its requests at once")
 
 
 def main(argv: list[str] | None = None) -> int:

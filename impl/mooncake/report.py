@@ -25,9 +25,25 @@ class ReportError(RuntimeError):
     """The ranks' logs do not fit together (one line)."""
 
 
-def load_log(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as fp:
-        return [json.loads(line) for line in fp if line.strip()]
+def load_log(path: str, partial: bool = False) -> list[dict[str, Any]]:
+    """A rank's log. ``partial``: the log of a run that failed, whose rank may have been
+    killed mid-line: a missing file is empty, and an unreadable last line is dropped."""
+    try:
+        with open(path, encoding="utf-8") as fp:
+            lines = [line for line in fp if line.strip()]
+    except FileNotFoundError:
+        if partial:
+            return []
+        raise
+    out = []
+    for n, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if partial and n == len(lines) - 1:
+                break
+            raise ReportError(f"{path}: line {n + 1} is not JSON") from None
+    return out
 
 
 @dataclass
@@ -52,10 +68,15 @@ def _segments(log: list[dict[str, Any]]) -> list[_Segment]:
 
 
 def write_trace(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str, slots: int,
-                timeout_steps: int | None) -> int:
-    """Merge the ranks' logs into ``fp``; returns the number of steps."""
+                timeout_steps: int | None, partial: bool = False) -> int:
+    """Merge the ranks' logs into ``fp``; returns the number of steps. ``partial``: the
+    logs of a failed run, cut to the steps every rank logged (what the ranks saw after
+    the last of them stays out)."""
     ranks = len(logs)
     segs = [_segments(log) for log in logs]
+    if partial:
+        m = min(len(s) for s in segs)
+        segs = [s[:m - 1] + [_Segment(s[m - 1].events, s[m - 1].enqueues, None)] for s in segs]
     if len({len(s) for s in segs}) != 1:
         raise ReportError(f"ranks took different numbers of steps: {[len(s) - 1 for s in segs]}")
     t0 = min((rec["t"] for log in logs for rec in log), default=0.0)
@@ -140,4 +161,5 @@ def figures(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
         "mb_per_s": round(total_bytes / seconds / 1e6, 2),
         "steps": results[0]["steps"] if results else 0,
         "dropped_frames": sum(r["dropped"] for r in results),
+        "rejected_frames": sum(r.get("rejected", 0) for r in results),
     }

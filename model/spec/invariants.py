@@ -4,9 +4,13 @@ table, the simulator's divergence reports, the tests and every trace violation r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from model.spec.kernel import Decision
 from model.spec.state import SystemState
+
+if TYPE_CHECKING:
+    from model.spec.machine import StepPops, StepRecord
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,46 @@ def check_invariants(s: SystemState, names: list[str] | None = None) -> list[Vio
     for name in names or INVARIANTS:
         out.extend(INVARIANTS[name](s))
     return out
+
+
+_COMMIT = int(Decision.COMMIT)
+
+
+def _suspect(state: SystemState, rec: "StepRecord | StepPops") -> bool:
+    ranks = state.ranks
+    q0 = ranks[0].queue
+    for rs in ranks[1:]:
+        if rs.queue != q0:
+            return True
+    first, *others = rec.popped
+    requests = state.requests
+    for popped in others:
+        if popped != first:      # rare: compare the outcome kinds, then the payloads
+            if [(r, d == _COMMIT) for r, d, _ in popped] != [(r, d == _COMMIT) for r, d, _ in first]:
+                return True
+            if any(d == _COMMIT and p != requests[r].payload for r, d, p in popped):
+                return True
+    if any(d == _COMMIT and p != requests[r].payload for r, d, p in first):
+        return True
+    return bool(first and q0) and not set(q0).isdisjoint(r for r, _, _ in first)
+
+
+def step_violations(state: SystemState, rec: "StepRecord | StepPops") -> list[Violation]:
+    """The invariant violations this step introduced (empty if none), or a hang.
+
+    Checks only what a step can change, assuming every invariant held before it:
+    queues_identical (the queues after the pop are equal), outcomes_agree (every rank
+    popped the same requests with the same outcome kind), no_corruption (every commit
+    read the payload its prefill sent), exactly_once (a popped request is no longer
+    queued). Cost: the queues and the pops of this step, not the whole history, which
+    is what keeps the simulator and ``pdgate validate`` linear in a trace's length. On
+    any finding it returns ``check_invariants``'s full result, so callers see the same
+    Violation objects as a full check (tests/sim/test_sim_traces.py compares both)."""
+    if rec.hang is not None:
+        detail = "MIN over different queue lengths " + ", ".join(
+            f"rank {k}: {n}" for k, n in enumerate(rec.hang))
+        return check_invariants(state) or [Violation("queues_identical", detail,
+                                                     tuple(range(state.n_ranks)))]
+    if not _suspect(state, rec):
+        return []
+    return check_invariants(state)

@@ -15,6 +15,11 @@ from model.spec.machine import RankStep, StepRecord
 from model.spec.variants import ABLATIONS, VARIANTS, Variant, get_variant
 
 FORMAT, VERSION = "pdgate-trace", 1
+# Caps on what a trace may ask for, so hostile input fails in one line, not in memory.
+MAX_RANKS = 4096                 # the control plane's prefill_rank/rank range (frames.py)
+MAX_SLOTS = 1 << 20
+MAX_RANK_SLOTS = 1 << 22         # ranks x slots: the spec keeps two rows per slot per rank
+MAX_LINE_CHARS = 16 << 20        # one record; a 4096-rank step record of 128 queued is ~6 MiB
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
 KINDS = {"header", "step", "violation", "end", *ENV_KINDS}
 _DECISION_BY_NAME = {d.name.lower(): d for d in Decision}
@@ -126,8 +131,12 @@ def parse_header(obj: dict, line: int) -> Header:
     timeout = obj.get("timeout_steps")
     if timeout is not None:
         timeout = _int(obj, "timeout_steps", line, 1)
-    return Header(obj["variant"], _int(obj, "ranks", line, 1), _int(obj, "slots", line, 1),
-                  timeout, str(obj.get("source", "")))
+    ranks = _int(obj, "ranks", line, 1, MAX_RANKS)
+    slots = _int(obj, "slots", line, 1, MAX_SLOTS)
+    if ranks * slots > MAX_RANK_SLOTS:
+        raise TraceFormatError(line, f"header: ranks x slots = {ranks * slots} exceeds "
+                                     f"{MAX_RANK_SLOTS}")
+    return Header(obj["variant"], ranks, slots, timeout, str(obj.get("source", "")))
 
 
 def _parse_rank_step(obj: Any, line: int, ranks: int) -> RankStep:
@@ -191,6 +200,20 @@ def parse_record(obj: Any, line: int, header: Header) -> Event | StepRecord | Vi
     return _int(obj, "steps", line)
 
 
+def require_enqueued(rec: Any, known: Any, line: int) -> None:
+    """An environment event must name a request an earlier ``enqueue`` introduced: an
+    input error (no state could allow it), not a protocol verdict."""
+    if isinstance(rec, (KvDone, Fail, Land, Fence)) and rec.req not in known:
+        raise TraceFormatError(line, f"{event_record(rec)['kind']}: request {rec.req} was "
+                                     "never enqueued")
+
+
+def require_nothing_after(records: Iterator[tuple[int, Any]], end_line: int) -> None:
+    """The ``end`` record is the last: any record after it is malformed input."""
+    for line, _ in records:
+        raise TraceFormatError(line, f"record after the end record (line {end_line})")
+
+
 def open_records(lines: Iterable[str]) -> tuple[Header, int, Iterator[tuple[int, Any]]]:
     """The header, its line number, and the (line, JSON) records after it."""
     records = read_records(lines)
@@ -203,12 +226,12 @@ def open_records(lines: Iterable[str]) -> tuple[Header, int, Iterator[tuple[int,
 T = TypeVar("T")
 
 
-def read_trace_file(path: str, parse: Callable[[IO[str]], T]) -> T:
-    """``parse`` the trace file at ``path``. Unreadable, non-UTF-8 or malformed input
+def read_trace_file(path: str, parse: Callable[[Iterable[str]], T]) -> T:
+    """``parse`` the lines of the trace file at ``path`` (each read with a length bound). Unreadable, non-UTF-8 or malformed input
     raises ``TraceInputError`` whose ``str()`` is one line."""
     try:
         with open(path, encoding="utf-8") as fp:
-            return parse(fp)
+            return parse(bounded_lines(fp))
     except OSError as exc:
         raise TraceInputError(f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
@@ -221,12 +244,43 @@ class TraceInputError(ValueError):
     """A trace file that cannot be used (unreadable, not text, malformed): one line."""
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a trace may hold")
+
+
 def read_records(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded JSON) for every non-blank line."""
+    """(line number, decoded JSON) for every non-blank line. Lines longer than
+    MAX_LINE_CHARS, NaN/Infinity, numbers over Python's digit limit and nesting deeper
+    than the recursion limit are TraceFormatError (one line), never a traceback."""
     for n, text in enumerate(lines, 1):
+        if len(text) > MAX_LINE_CHARS:
+            raise TraceFormatError(n, f"line longer than {MAX_LINE_CHARS} characters")
         if not text.strip():
             continue
         try:
-            yield n, json.loads(text)
+            obj = json.loads(text, parse_constant=_refuse_constant)
         except json.JSONDecodeError as exc:
             raise TraceFormatError(n, f"malformed JSON: {exc.msg} at column {exc.colno}") from None
+        except RecursionError:
+            raise TraceFormatError(n, "JSON nested too deeply") from None
+        except ValueError as exc:   # NaN/Infinity, or an integer over the digit limit
+            why = ("an integer of more than sys.get_int_max_str_digits() digits"
+                   if "digits" in str(exc) else str(exc).splitlines()[0][:120])
+            raise TraceFormatError(n, f"unusable JSON: {why}") from None
+        t = obj.get("t") if isinstance(obj, dict) else None
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
+            raise TraceFormatError(n, f"'t' must be a number of milliseconds, got {t!r:.40}")
+        yield n, obj
+
+
+def bounded_lines(fp: IO[str], limit: int = MAX_LINE_CHARS) -> Iterator[str]:
+    """The lines of ``fp``, each read with a bound: a line over ``limit`` characters
+    (``/dev/zero``, a file without newlines) is returned cut at limit + 1 characters,
+    which read_records refuses, instead of being read into memory whole."""
+    while True:
+        text = fp.readline(limit + 1)
+        if not text:
+            return
+        yield text
+        if len(text) > limit:
+            return

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from model.spec.events import Enqueue, Event, Step
-from model.spec.invariants import INVARIANTS, Violation, bounded_wait, check_invariants
+from model.spec.invariants import (INVARIANTS, Violation, bounded_wait, check_invariants,
+                                   step_violations)
 from model.spec.kernel import Decision
 from model.spec.machine import EventNotEnabled, StepRecord, apply
 from model.spec.state import SystemState, initial_state
 from model.spec.trace import (TraceFormatError, TraceInputError, _int, event_record,
-                              open_records, parse_record, read_trace_file)
+                              open_records, parse_record, read_trace_file, require_enqueued,
+                              require_nothing_after)
 from model.spec.variants import VARIANTS
 
 
@@ -62,6 +64,7 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
         last_line = line
         rec = parse_record(obj, line, header)
         if isinstance(rec, int):
+            require_nothing_after(records, line)
             if rec != state.steps:
                 return fail(line, f"end record says {rec} steps, spec took {state.steps}")
             return ValidationResult(True, f"OK: {state.steps} steps match variant {v.name}",
@@ -85,16 +88,15 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
                 diff = _diff_step(rec, got)
                 if diff:   # name the step the record is, not the one the spec moved on to
                     return fail(line, f"spec does not allow this step: {diff}", rec.step)
-            else:
-                if not isinstance(rec, Enqueue) and rec.req not in state.requests:
-                    # Input error, not a protocol verdict: no state could allow it.
-                    raise TraceFormatError(line, f"{event_record(rec)['kind']}: request "
-                                                 f"{rec.req} was never enqueued")
+            else:       # an environment event, or a bare {"kind": "step"}
+                require_enqueued(rec, state.requests, line)
                 got = apply(state, rec)
         except EventNotEnabled as exc:
             return fail(line, f"spec does not allow {_show(rec)}: {exc}")
         if got is not None and first_violation is None:
-            found = check_invariants(state)
+            # Only what this step changed: every invariant held before it (else
+            # first_violation would be set), so a full rescan would be quadratic.
+            found = step_violations(state, got)
             if found:
                 first_violation = (got.step, found[0])
     return ValidationResult(False, f"line {last_line}: trace ended before its end record "
@@ -112,6 +114,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay against this variant instead of the header's")
 
 
+def violation_line(result: ValidationResult) -> str | None:
+    """The line naming the first invariant the replay saw break (validate and replay
+    print it), or None."""
+    if not result.first_violation:
+        return None
+    step, viol = result.first_violation
+    return (f"invariant {viol.invariant} breaks at step {step}: {viol.detail} "
+            f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         result = read_trace_file(args.trace, lambda fp: validate(fp, args.variant))
@@ -119,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdgate validate: {exc}", file=sys.stderr)
         return 2
     print(result.message)
-    if result.first_violation:
-        step, viol = result.first_violation
-        print(f"invariant {viol.invariant} breaks at step {step}: {viol.detail} "
-              f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
+    line = violation_line(result)
+    if line:
+        print(line)
     return 0 if result.ok else 1

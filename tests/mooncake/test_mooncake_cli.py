@@ -10,19 +10,34 @@ from model.cli import main
 from model.spec.validate import validate
 
 
+def exit_code(argv: list[str]) -> int:
+    """main's return value, or the code of the SystemExit argparse raises."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cuda"], "--device cuda needs a CUDA GPU"),
     (["--ranks", "2", "--metadata-delay", "2:10"], "names rank 2, but ranks are 0..1"),
     (["--ranks", "0"], "--ranks must be in 1..16"),
-    (["--requests", "0"], "--requests must be >= 1"),
+    (["--requests", "0"], "--requests: must be >= 1"),
     (["--inflight", "100", "--slots", "8"], "--inflight"),
-    (["--timeout-steps", "0"], "--timeout-steps must be >= 1"),
+    (["--timeout-steps", "0"], "--timeout-steps: must be >= 1"),
+    (["--heartbeat-ms", "0"], "--heartbeat-ms: must be >= 10"),
+    (["--fence-grace-s", "-1"], "--fence-grace-s: must be >= 0"),
+    (["--step-ms", "nan"], "--step-ms: a finite number expected"),
+    (["--collective-timeout-s", "inf"], "--collective-timeout-s: a finite number expected"),
+    (["--requests", "1e12"], "--requests: an integer expected"),
+    (["--requests", "100000", "--max-pages", "1000", "--pages", "1000"], "MiB of prefill KV"),
+    (["--json", "/nonexistent/dir/x.json"], "folder /nonexistent/dir does not exist"),
 ])
 def test_usage_errors_are_one_line(argv, message, capsys):
     import torch
     if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.fail("this check needs a machine without CUDA")
-    assert main(["e2e", *argv]) == 2
+    assert exit_code(["e2e", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and err.startswith("pdgate e2e:")
 

@@ -19,7 +19,21 @@ from impl.mooncake import frames as fr
 from impl.mooncake.engine import RegistrationError, TransferError, Write, transfer_timeout_s
 from impl.mooncake.receiver import FAILED, SUCCESS, WAITING
 from impl.mooncake.synth import kv_bytes, make_requests
-from tests.mooncake.conftest import PAGE_BYTES, SLOTS, DecodeRank
+from impl.mooncake import auth
+from impl.mooncake.prefill import Faults, PrefillServer
+from tests.mooncake.conftest import PAGE_BYTES, SECRET, SLOTS, DecodeRank
+
+KEY0 = auth.rank_key(SECRET, 0)
+
+
+def sealed(direction: bytes, parts: list[bytes], key: bytes = KEY0, rank: int = 0) -> list[bytes]:
+    """Frames as the holder of ``key`` would send them (a compromised or buggy peer)."""
+    return auth.seal(key, auth.Channel(direction, rank), parts)
+
+
+def to_prefill(frame: list[bytes], rank: int = 0, key: bytes = KEY0) -> list[bytes]:
+    kind, body = frame
+    return sealed(auth.TO_PREFILL, [kind, fr.encode_rank(rank), body], key, rank)
 
 
 def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:
@@ -133,14 +147,23 @@ def test_hostile_status_frames_are_dropped_and_the_thread_survives(link, caplog)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(rank.transport.status_endpoint)
-    frames_ = HOSTILE_STATUS + [[str(spec.room).encode(), b"0", b"3"]]   # wrong prefill rank
-    for f in frames_:
+    malformed = HOSTILE_STATUS + [[str(spec.room).encode(), b"0", b"3"]]   # wrong prefill rank
+    for f in malformed:                              # authenticated, so parsed, then dropped
+        push.send_multipart(sealed(auth.STATUS, f))
+    forged = [[str(spec.room).encode(), b"0", b"0"],                  # no tag at all
+              [str(spec.room).encode(), b"0", b"0", b"\0" * 32],      # a wrong tag
+              sealed(auth.STATUS, [str(spec.room).encode(), b"0", b"0"],
+                     key=auth.rank_key(SECRET, 1)),                   # another rank's key
+              sealed(auth.REPLY, [str(spec.room).encode(), b"0", b"0"])]   # another channel
+    for f in forged:
         push.send_multipart(f)
-    wait_for(lambda: rank.transport.dropped >= len(frames_), what="frames to be dropped")
+    wait_for(lambda: rank.transport.dropped >= len(malformed)
+             and rank.transport.rejected >= len(forged), what="frames to be dropped")
     push.close()
-    assert rank.transport.dropped == len(frames_)
-    assert sum("dropped control frame" in r.getMessage() for r in caplog.records) == len(frames_)
-    assert settle(rec) == SUCCESS, rec.failure_exception()
+    assert rank.transport.dropped == len(malformed)
+    assert rank.transport.rejected == len(forged)
+    assert sum("dropped control frame" in r.getMessage() for r in caplog.records) == len(malformed)
+    assert settle(rec) == SUCCESS, rec.failure_exception()     # no forged Failed got through
     assert int(rank.room[1, 0]) == spec.room
 
 
@@ -151,7 +174,7 @@ def test_hostile_prefill_frames_are_dropped_and_nothing_is_written(link):
     dealer = zmq.Context.instance().socket(zmq.DEALER)      # never said HELLO
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(server.endpoint)
-    hostile = [
+    malformed = [
         [fr.XFER, b"\x00" * 5],
         [fr.XFER, fr.Xfer(spec.room, 0, 0, (1, 2)).encode()[1]],           # rank 0 not this peer
         [fr.HELLO, b"{not json"],
@@ -160,14 +183,16 @@ def test_hostile_prefill_frames_are_dropped_and_nothing_is_written(link):
         [b"SHUTDOWN", b""],
         [fr.PING, b"\x00" * 3],
     ]
-    for f in hostile:
-        dealer.send_multipart(f)
+    for f in malformed:                                      # tagged by rank 0's key holder
+        dealer.send_multipart(to_prefill(f))
     sock = rank.transport._links[server.endpoint].sock
-    sock.send_multipart(fr.Xfer(12345, 0, 0, (0,)).encode())                # unknown room
-    sock.send_multipart(fr.Xfer(spec.room, 0, SLOTS + 3, tuple(range(spec.n_pages))).encode())
-    sock.send_multipart(fr.Xfer(spec.room, 0, 0, (10**6,) * spec.n_pages).encode())
-    wait_for(lambda: server.dropped >= len(hostile) + 3, what="prefill to drop the frames")
+    for x in (fr.Xfer(12345, 0, 0, (0,)),                                    # unknown room
+              fr.Xfer(spec.room, 0, SLOTS + 3, tuple(range(spec.n_pages))),
+              fr.Xfer(spec.room, 0, 0, (10**6,) * spec.n_pages)):
+        rank.transport._send(sock, x.encode())
+    wait_for(lambda: server.dropped >= len(malformed) + 3, what="prefill to drop the frames")
     dealer.close()
+    assert server.rejected == 0
     assert not rank.pool.any() and not rank.room.any()
     assert server.kv_bytes_written == 0
     good = specs[3]
@@ -198,10 +223,9 @@ def test_abort_is_fenced_by_the_prefill(link):
 
 def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
     pe, de = engines
-    from impl.mooncake.prefill import Faults, PrefillServer
     specs = make_requests(2, seed=9, min_pages=2, max_pages=2)
-    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=1.0))
-    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4, fence_grace_s=0.2, timeout_s=0.5)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, secret=SECRET, faults=Faults(stall_s=1.0))
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4, fence_grace_s=0.2, connect_timeout_s=0.5)
     try:
         rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
         server._stop.set()                     # the router stops answering heartbeats
@@ -218,9 +242,8 @@ def test_dead_prefill_fails_waiting_requests_and_is_fenced_after_grace(engines):
 
 def test_closed_prefill_connection_fails_requests_at_once(engines):
     pe, de = engines
-    from impl.mooncake.prefill import Faults, PrefillServer
     specs = make_requests(1, seed=10, min_pages=2, max_pages=2)
-    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, faults=Faults(stall_s=0.5))
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, secret=SECRET, faults=Faults(stall_s=0.5))
     # heartbeats alone would take 100 s here: only the closed connection can fail it
     rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=2000, fence_grace_s=60)
     try:

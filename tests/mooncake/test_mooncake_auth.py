@@ -1,0 +1,109 @@
+"""Attacks on the control plane by a local process without the keys: a forged HELLO for
+a rank not yet registered, forged status frames, oversized frames. Each is rejected
+and counted; the real ranks are not locked out and their requests land byte-exact."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import zmq
+
+from impl.mooncake import auth
+from impl.mooncake import frames as fr
+from impl.mooncake.prefill import PrefillServer
+from impl.mooncake.receiver import SUCCESS
+from impl.mooncake.synth import kv_bytes, make_requests
+from tests.mooncake.conftest import PAGE_BYTES, SECRET, DecodeRank
+from tests.mooncake.test_mooncake_transport import settle, wait_for
+
+
+@pytest.fixture
+def two_ranks(engines):
+    """A prefill serving ranks 0 and 1; only rank 0 has said HELLO yet."""
+    pe, de = engines
+    specs = make_requests(6, seed=21, min_pages=2, max_pages=3)
+    server = PrefillServer(pe, specs, ranks=2, page_bytes=PAGE_BYTES, secret=SECRET)
+    victim = DecodeRank(de, rank=0, heartbeat_s=0.05, heartbeat_misses=20)
+    victim.transport.connect(server.endpoint)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    yield server, victim, specs, sock
+    sock.close()
+    victim.transport.close()
+    server.close(close_engine=False)
+
+
+def forged_hello(victim: DecodeRank, rank: int) -> list[bytes]:
+    """A HELLO for ``rank`` pointing at the victim's session and buffers: what would make
+    the prefill write another request's KV and row into the victim's memory."""
+    hello = victim.transport.hello()
+    body = json.loads(hello.encode()[1])
+    body["rank"] = rank
+    return [fr.HELLO, fr.encode_rank(rank), json.dumps(body).encode()]
+
+
+def test_forged_hello_is_rejected_and_the_real_rank_still_registers(two_ranks, engines):
+    server, victim, specs, sock = two_ranks
+    sock.send_multipart(forged_hello(victim, 1))                            # no tag
+    sock.send_multipart([*forged_hello(victim, 1), b"\0" * auth.TAG_BYTES])  # a guessed tag
+    stolen = auth.rank_key(SECRET, 0)                 # rank 0's key cannot speak for rank 1
+    sock.send_multipart(auth.seal(stolen, auth.Channel(auth.TO_PREFILL, 1), forged_hello(victim, 1)))
+    wait_for(lambda: server.rejected >= 3, what="the forged HELLOs to be rejected")
+    assert server.rejected == 3 and 1 not in server._ranks
+    assert not sock.poll(200)                         # no reply of any kind: nothing to learn
+    # The real rank 1 (holder of its key) registers and is served byte-exact.
+    real = DecodeRank(engines[1], rank=1, heartbeat_s=0.05, heartbeat_misses=20)
+    try:
+        spec = specs[0]
+        rec = real.transport.start(spec.room, 0, real.pages(spec.n_pages), server.endpoint)
+        assert settle(rec) == SUCCESS
+        assert real.pool[:spec.n_pages].tobytes() == kv_bytes(spec, 1, PAGE_BYTES).tobytes()
+        assert not victim.pool.any()                  # nothing was written for rank 1 into rank 0
+    finally:
+        real.transport.close()
+
+
+def test_a_registered_rank_id_cannot_be_registered_again_even_with_its_key(two_ranks):
+    server, victim, specs, sock = two_ranks
+    hello = victim.transport.hello().encode()
+    sock.send_multipart(auth.seal(auth.rank_key(SECRET, 0), auth.Channel(auth.TO_PREFILL, 0),
+                                  [hello[0], fr.encode_rank(0), hello[1]]))
+    assert sock.poll(2000)
+    reply = auth.unseal(auth.rank_key(SECRET, 0), auth.Channel(auth.REPLY, 0), sock.recv_multipart())
+    assert reply is not None and reply[0] == fr.ERROR and b"already registered" in reply[1]
+
+
+def test_forged_status_frames_are_rejected_and_the_request_commits(two_ranks):
+    server, victim, specs, _ = two_ranks
+    server.faults.stall_s = 0.3                       # the forgeries race a live request
+    spec = specs[1]
+    rec = victim.transport.start(spec.room, 1, victim.pages(spec.n_pages), server.endpoint)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(victim.transport.status_endpoint)
+    room = str(spec.room).encode()
+    for _ in range(50):                               # Failed for the victim's room, as SGLang's
+        push.send_multipart([room, b"0", b"0"])       # three parts: the room is predictable
+    push.send_multipart([room, b"0", b"0", b"x" * auth.TAG_BYTES])
+    wait_for(lambda: victim.transport.rejected >= 51, what="the forged status to be rejected")
+    push.close()
+    assert settle(rec) == SUCCESS and int(victim.room[1, 0]) == spec.room
+    assert victim.transport.dropped == 0
+
+
+def test_oversized_frames_cost_the_sender_its_connection_not_the_server(two_ranks):
+    server, victim, specs, sock = two_ranks
+    sock.send_multipart([fr.XFER, fr.encode_rank(0), b"\0" * (fr.MAX_TO_PREFILL_PART + 1),
+                         b"\0" * auth.TAG_BYTES])
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(victim.transport.status_endpoint)
+    push.send_multipart([b"1" * (fr.MAX_STATUS_PART + 1), b"0", b"0", b"0" * auth.TAG_BYTES])
+    spec = specs[2]
+    rec = victim.transport.start(spec.room, 2, victim.pages(spec.n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS                     # both servers still serve
+    push.close()
+    # ZMQ dropped the oversized frames before any handler saw them.
+    assert server.rejected == 0 and server.dropped == 0
+    assert victim.transport.rejected == 0 and victim.transport.dropped == 0
