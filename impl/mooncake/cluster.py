@@ -121,6 +121,7 @@ class Cluster:
         self.env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.prefills: list[Child] = []
         self.decode: list[Child] = []
+        self.master_port: int | None = None     # the gloo store (rank 0), once started
 
     def start_prefill(self, offset: int, count: int, extra: list[str] = ()) -> tuple[Child, str]:
         name = f"prefill{len(self.prefills)}"
@@ -131,11 +132,12 @@ class Cluster:
         child = Child(name, argv, self.workdir, self.env)
         self.prefills.append(child)
         child.send({"secret": self.secret.hex()})
-        hello = child.read(60, "endpoint line")
-        return child, hello["endpoint"]
+        child.hello_line = child.read(60, "endpoint line")      # endpoint, session
+        return child, child.hello_line["endpoint"]
 
-    def start_ranks(self) -> None:
-        port = free_port(self.host)
+    def start_ranks(self) -> list[dict[str, Any]]:
+        """Start the T decode ranks; returns their ready lines (status endpoint, session)."""
+        port = self.master_port = free_port(self.host)
         for r in range(self.ranks):
             argv = [sys.executable, "-m", "impl.mooncake.rank", *self.workload, *self.rank_args,
                     "--rank", str(r), "--world", str(self.ranks), "--master-port", str(port),
@@ -144,8 +146,7 @@ class Cluster:
             child = Child(f"rank{r}", argv, self.workdir, self.env)
             self.decode.append(child)
             child.send({"key": rank_key(self.secret, r).hex()})
-        for c in self.decode:
-            c.read(90, "ready line")
+        return [c.read(90, "ready line") for c in self.decode]
 
     def serve(self, endpoint: str, offset: int, count: int) -> None:
         for c in self.decode:

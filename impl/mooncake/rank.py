@@ -209,7 +209,8 @@ class DecodeRank:
                 self.free_pages.extend(t.pages)
 
     def run(self) -> None:
-        emit({"ready": True, "status_endpoint": self.transport.status_endpoint})
+        emit({"ready": True, "status_endpoint": self.transport.status_endpoint,
+              "session": self.engine.session_id})
         deadline = time.monotonic() + self.a.lifetime_s
         interval = self.a.step_ms / 1000
         while time.monotonic() < deadline:
