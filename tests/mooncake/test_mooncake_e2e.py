@@ -97,6 +97,23 @@ def test_prefill_killed_mid_transfer_aborts_everywhere_then_ranks_keep_serving(c
     prefill.kill()
 
 
+def test_killed_prefill_fails_its_whole_backlog_on_every_rank_within_seconds(cluster):
+    """48 requests, 16 in flight at most: when the prefill dies, 32 still wait for
+    admission. Each fails at the step that admits it (no handshake per request), on every
+    rank in the same step, and the whole backlog is decided within a couple of seconds."""
+    killed_at = []
+
+    def kill(prefill):
+        wait_for_kv(prefill)
+        prefill.signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+    outcomes, _ = serve(cluster, 600, 48, ["--stall-ms", "300"], during=kill)
+    elapsed = time.monotonic() - killed_at[0]
+    assert elapsed < 3.0, f"the backlog took {elapsed:.1f} s to fail after the kill"
+    assert_all(outcomes, "abort_failed")
+    assert sum(r["local"] == 0 for recs in outcomes.values() for r in recs) >= 2 * 32
+
+
 def test_frozen_prefill_meets_the_agreed_timeout_on_every_rank(cluster):
     frozen = []
 
@@ -139,4 +156,5 @@ def test_session_trace_replays_in_the_spec(cluster, tmp_path):
     figs = figures(results, logs, len(served))
     assert figs["lost"] == 0 and figs["disagree"] == 0
     assert figs["committed"] == 12 + 8 + 6 and figs["byte_exact"]
+    assert figs["rejected_frames"] == 0
     assert figs["committed"] + figs["aborted"] == len(served)
