@@ -14,7 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
 from model.cli import number, writable_problem
@@ -40,6 +40,9 @@ class E2EConfig:
     host: str = "127.0.0.1"
     step_ms: float = 2.0
     work_dir: str | None = None       # rank logs, stderr, default JSON and trace
+    # Tests only: called with (cluster, prefill) once the ranks were told to serve
+    # (an attacker, a kill), to check what the run then reports.
+    during: Callable[[Any, Any], None] | None = None
 
 
 def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | None:
@@ -76,8 +79,10 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
         prefill, endpoint = cluster.start_prefill(0, cfg.requests,
                                                   extra + (["--allow-baseline"] if cfg.baseline else []))
-        cluster.start_ranks()
+        cluster.ready = cluster.start_ranks()
         cluster.serve(endpoint, 0, cfg.requests)
+        if cfg.during is not None:
+            cfg.during(cluster, prefill)
         cluster.wait_idle(cfg.timeout_s)
         if cfg.baseline:
             prefill.send("baseline")

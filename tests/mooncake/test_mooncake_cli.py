@@ -76,3 +76,64 @@ def test_e2e_gate_variant_on_three_ranks(tmp_path, capsys):
     figs = json.loads(out.read_text())
     assert (figs["ranks"], figs["committed"], figs["lost"]) == (3, 6, 0)
     assert figs["byte_exact"] and figs["trace_valid"] and figs["timeout_steps"] is None
+
+
+def _e2e_config(tmp_path, during, requests: int = 6):
+    from impl.e2e import E2EConfig, timeout_steps_for
+    workload = ["--seed", "5", "--page-bytes", "4096", "--min-pages", "1", "--max-pages", "3"]
+    rank_args = ["--pages", "128", "--inflight", "4", "--step-ms", "2",
+                 "--collective-timeout-s", "5", "--heartbeat-ms", "100"]
+    return E2EConfig(2, requests, "strict", [], workload, rank_args,
+                     timeout_steps_for("strict", 2.0, None), 16, timeout_s=40,
+                     work_dir=str(tmp_path / "work"), during=during)
+
+
+def test_forged_status_frames_are_rejected_reported_and_fail_the_run(tmp_path):
+    import zmq
+    from impl.e2e import run_e2e, run_ok
+    from impl.mooncake.synth import make_requests
+
+    rooms = [s.room for s in make_requests(6, 5, 1, 3)]        # predictable from --seed
+
+    def attack(cluster, prefill):
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        for ready in cluster.ready:
+            push.connect(ready["status_endpoint"])
+        for room in rooms:
+            for _ in cluster.ready:      # round robin over the connected ranks
+                push.send_multipart([str(room).encode(), b"0", b"0"])
+        push.close(linger=2000)
+    out = run_e2e(_e2e_config(tmp_path, attack))
+    assert out["rejected_frames"] == len(rooms) * 2, out
+    assert out["committed"] == 6 and out["aborted"] == 0        # nothing got through...
+    assert out["disturbed"] and not run_ok(out)                 # ...but the run says so
+
+
+def test_a_failed_run_still_writes_json_trace_and_keeps_the_rank_logs(tmp_path, capsys):
+    import signal
+    from impl import e2e
+
+    def kill_rank(cluster, prefill):
+        cluster.decode[1].signal(signal.SIGKILL)
+    cfg = _e2e_config(tmp_path, kill_rank, requests=40)
+    out = e2e.run_e2e(cfg)
+    assert out["error"] and "rank" in out["error"], out["error"]
+    work = tmp_path / "work"
+    assert (work / "rank0.jsonl").exists() and (work / "rank1.jsonl").exists()
+    assert out["trace"] == str(work / "trace.ndjson") and out["trace_partial"]
+    with open(out["trace"], encoding="utf-8") as fp:
+        assert fp.readline().startswith('{"kind":"header"')
+    assert not e2e.run_ok(out)
+
+
+def test_a_good_run_keeps_json_and_trace_and_drops_rank_logs(tmp_path, capsys):
+    work = tmp_path / "w"
+    rc = main(["e2e", "--ranks", "2", "--requests", "4", "--page-bytes", "4096", "--max-pages",
+               "2", "--min-pages", "1", "--work-dir", str(work)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert f"json {work / 'e2e.json'}; trace {work / 'trace.ndjson'}" in printed
+    figs = json.loads((work / "e2e.json").read_text())
+    assert figs["rejected_frames"] == 0 and figs["dropped_frames"] == 0 and not figs["disturbed"]
+    assert not (work / "rank0.jsonl").exists() and (work / "trace.ndjson").exists()
