@@ -11,6 +11,7 @@ import importlib
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -49,9 +50,10 @@ def number(lo: float | None = None, hi: float | None = None, *, above: bool = Fa
 
 
 def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be written (checked before any work), or None: its folder
-    must exist and be writable, it must not be a folder, and it must not be one of the
-    ``inputs`` (``replay X --out X`` would overwrite its own input)."""
+    """Why ``path`` cannot be written (checked before any work), or None. It is opened
+    for appending (created and removed again if it did not exist): permission bits alone
+    say nothing for root or for /proc. It must not be one of ``inputs`` (``replay X
+    --out X`` would overwrite its own input)."""
     out = Path(path)
     for src in inputs:
         try:
@@ -61,12 +63,85 @@ def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str
             pass
     if out.is_dir():
         return f"{path} is a directory"
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent
     if not parent.is_dir():
         return f"cannot write {path}: folder {parent} does not exist"
-    if out.exists() and not os.access(out, os.W_OK) or not out.exists() and not os.access(parent, os.W_OK):
-        return f"cannot write {path}: permission denied"
+    existed = out.exists()
+    try:
+        with open(out, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
     return None
+
+
+def _can_create_in(folder: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+# Output paths by subcommand (argparse dest), checked before any work: files, folders.
+OUTPUT_FILES: dict[str, tuple[str, ...]] = {
+    "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
+    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",)}
+OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
+INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
+
+
+def folder_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be used as an output folder (existing, or creatable), or None."""
+    out = Path(path)
+    if out.exists():
+        if not out.is_dir():
+            return f"{path} exists and is not a folder"
+        return None if _can_create_in(out) else f"cannot write into {path}"
+    parent = next((q for q in out.parents if q.exists()), Path("."))
+    if not parent.is_dir() or not _can_create_in(parent):
+        return f"cannot create folder {path}: {parent} is not a writable folder"
+    return None
+
+
+def output_problem(command: str, args: argparse.Namespace) -> str | None:
+    """The first output path of ``command`` that cannot be written, as one line."""
+    inputs = [v for v in (getattr(args, n, None) for n in INPUT_FILES.get(command, ())) if v]
+    for name in OUTPUT_FILES.get(command, ()):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            problem = writable_problem(value, *inputs)
+            if problem:
+                return f"--{name.replace('_', '-')}: {problem}"
+    for name in OUTPUT_DIRS.get(command, ()):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value:
+            problem = folder_problem(value)
+            if problem:
+                return f"--{name.replace('_', '-')}: {problem}"
+    return None
+
+
+def _finite(type_fn: Callable[[str], object]) -> Callable[[str], object]:
+    """Wrap an argparse ``type`` so NaN and inf (alone or in a list) are refused for
+    every subcommand's flags, whichever converter the subcommand chose."""
+    def parse(text: str) -> object:
+        value = type_fn(text)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise argparse.ArgumentTypeError(f"a finite number expected, got {text[:40]!r}")
+        return value
+    parse.__name__ = getattr(type_fn, "__name__", "value")
+    return parse
+
+
+def refuse_nonfinite(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if callable(action.type) and not getattr(action.type, "_finite", False):
+            action.type = _finite(action.type)
+            action.type._finite = True
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -102,10 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pdgate {name}: cannot load {mod_name}: {exc}", file=sys.stderr)
                 return 2
             module.add_arguments(p)
+            refuse_nonfinite(p)
     args = parser.parse_args(argv)
     if module is None:
         parser.print_help()
         return 0 if not argv or "-h" in argv or "--help" in argv else 2
+    problem = output_problem(args.command, args)
+    if problem:
+        print(f"pdgate {args.command}: {problem}", file=sys.stderr)
+        return 2
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

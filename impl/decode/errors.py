@@ -58,7 +58,10 @@ class DuplicateRequest(DecodeInputError):
         super().__init__(f"request {rid!r} is already in the transfer queue")
 
 
-class SlotsExhausted(DecodeError):
+class SlotsExhausted(DecodeInputError):
+    """More requests than metadata slots: the caller's input (admission), not a fault of
+    the decode path; a batch of replays goes on with the next trace."""
+
     def __init__(self, size: int):
         super().__init__(f"all {size} metadata slots are in use")
 

@@ -4,6 +4,7 @@ the impl (docs/trace-format.md). Writing and parsing only; replay is in validate
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
 
@@ -19,6 +20,7 @@ FORMAT, VERSION = "pdgate-trace", 1
 MAX_RANKS = 4096                 # the control plane's prefill_rank/rank range (frames.py)
 MAX_SLOTS = 1 << 20
 MAX_RANK_SLOTS = 1 << 22         # ranks x slots: the spec keeps two rows per slot per rank
+MAX_TIMEOUT_STEPS = 1 << 31
 MAX_LINE_CHARS = 16 << 20        # one record; a 4096-rank step record of 128 queued is ~6 MiB
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
 KINDS = {"header", "step", "violation", "end", *ENV_KINDS}
@@ -121,16 +123,17 @@ def _int_list(obj: dict, key: str, line: int, what: str, allowed: frozenset | No
     return tuple(vals)
 
 
-def parse_header(obj: dict, line: int) -> Header:
-    if obj.get("kind") != "header" or obj.get("format") != FORMAT:
+def parse_header(obj: Any, line: int) -> Header:
+    if not isinstance(obj, dict) or obj.get("kind") != "header" or obj.get("format") != FORMAT:
         raise TraceFormatError(line, f"first record must be a {FORMAT} header")
-    if obj.get("version") != VERSION:
-        raise TraceFormatError(line, f"unsupported trace version {obj.get('version')!r}")
-    if obj.get("variant") not in VARIANTS and obj.get("variant") not in ABLATIONS:
-        raise TraceFormatError(line, f"unknown variant {obj.get('variant')!r}")
+    version, variant = obj.get("version"), obj.get("variant")
+    if isinstance(version, bool) or version != VERSION:
+        raise TraceFormatError(line, f"unsupported trace version {version!r:.40}")
+    if not isinstance(variant, str) or variant not in VARIANTS and variant not in ABLATIONS:
+        raise TraceFormatError(line, f"unknown variant {variant!r:.60}")
     timeout = obj.get("timeout_steps")
     if timeout is not None:
-        timeout = _int(obj, "timeout_steps", line, 1)
+        timeout = _int(obj, "timeout_steps", line, 1, MAX_TIMEOUT_STEPS)
     ranks = _int(obj, "ranks", line, 1, MAX_RANKS)
     slots = _int(obj, "slots", line, 1, MAX_SLOTS)
     if ranks * slots > MAX_RANK_SLOTS:
@@ -268,8 +271,9 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
                    if "digits" in str(exc) else str(exc).splitlines()[0][:120])
             raise TraceFormatError(n, f"unusable JSON: {why}") from None
         t = obj.get("t") if isinstance(obj, dict) else None
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))):
-            raise TraceFormatError(n, f"'t' must be a number of milliseconds, got {t!r:.40}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not math.isfinite(t)):
+            raise TraceFormatError(n, f"'t' must be a finite number of milliseconds, got {t!r:.40}")
         yield n, obj
 
 

@@ -1,0 +1,169 @@
+"""Hostile and careless input for every subcommand: one line naming the problem,
+exit 1 or 2, never a traceback, in bounded time and memory (tests/hostile/cases.py
+generates the classes). Cases run in-process through ``model.cli.main``; one
+subprocess under a memory limit replays the trace classes to bound their memory."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from model.cli import SUBCOMMANDS, main
+from tests.hostile.cases import FLAG_CASES, TraceCase, good_trace, trace_cases, verdict_traces
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = trace_cases()
+SECONDS = 10.0             # per in-process case; the worst today is well under 1 s
+MEMORY_BYTES = 1 << 30     # the validate subprocess's address-space limit
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str, float]:
+    start = time.monotonic()
+    try:
+        rc = main(argv)
+    except SystemExit as exc:     # argparse errors exit 2 through _one_line_error
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err, time.monotonic() - start
+
+
+def assert_clean(rc: int, out: str, err: str, codes=(1, 2)) -> None:
+    """Exit 1 or 2; a usage error (2) is exactly one stderr line; nothing is a traceback
+    or the CLI's last-resort handler (which would mean a bug slipped through)."""
+    text = out + err
+    assert rc in codes, (rc, text[-500:])
+    assert "Traceback" not in text and "internal error" not in text and "out of memory" not in text, text[-500:]
+    err_lines = [ln for ln in err.splitlines() if ln.strip()]
+    if rc == 2:
+        assert len(err_lines) == 1, err_lines[:5]
+        assert len(err_lines[0]) < 400
+    else:
+        assert len(err_lines) <= 1 and (err_lines or out.strip()), text[-500:]
+
+
+def case_path(case: TraceCase, tmp_path: Path) -> str:
+    if case.path is not None:
+        return case.path
+    path = tmp_path / "case.jsonl"
+    path.write_bytes(case.content)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", TRACES, ids=str)
+def test_validate_refuses_hostile_traces_in_one_line(case, tmp_path, capsys):
+    """A one-line error, or a correct run: some mutations leave a trace the spec allows
+    (a null hang, a huge timeout for a variant without one)."""
+    rc, out, err, seconds = run_cli(["validate", case_path(case, tmp_path)], capsys)
+    if rc == 0:
+        assert out.startswith("OK: ") and not err, (out, err)
+    else:
+        assert_clean(rc, out, err)
+    assert seconds < SECONDS, f"{case}: {seconds:.1f} s"
+
+
+def _malformed(case: TraceCase) -> bool:
+    """Whether validate calls the case bad input (its other verdicts are the spec's,
+    and replay, which drives events and ignores step numbers, may well run them)."""
+    from model.spec.trace import TraceInputError, read_trace_file
+    from model.spec.validate import validate
+    if case.path is not None:
+        return True
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as fp:
+        fp.write(case.content)
+        fp.flush()
+        try:
+            read_trace_file(fp.name, validate)
+        except TraceInputError:
+            return True
+    return False
+
+
+MALFORMED = [c for c in TRACES if _malformed(c)]
+
+
+def test_most_trace_cases_are_malformed_input():
+    assert len(MALFORMED) > 0.8 * len(TRACES), (len(MALFORMED), len(TRACES))
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=str)
+def test_replay_refuses_what_validate_calls_malformed_before_starting_ranks(case, tmp_path, capsys):
+    rc, out, err, seconds = run_cli(["replay", case_path(case, tmp_path), "--out",
+                                     str(tmp_path / "impl.jsonl")], capsys)
+    assert_clean(rc, out, err, codes=(2,))
+    assert seconds < SECONDS, f"{case}: {seconds:.1f} s (ranks started?)"
+
+
+def test_verdict_traces_get_a_verdict_not_a_crash(tmp_path, capsys):
+    """Well-formed traces the spec rejects or accepts: a verdict from validate; replay
+    refuses a trace without its end and the impl's SlotsExhausted is bad input (2)."""
+    expected = {"no end": (1, 2), "bare steps": (0, 0), "SlotsExhausted": (1, 2)}
+    for name, content in verdict_traces().items():
+        path = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        path.write_bytes(content)
+        want_validate, want_replay = expected[name]
+        rc, out, err, _ = run_cli(["validate", str(path)], capsys)
+        assert rc == want_validate, (name, out, err)
+        rc, out, err, _ = run_cli(["replay", str(path), "--out", str(tmp_path / "o.jsonl"),
+                                   "--deadline", "60"], capsys)
+        assert rc == want_replay, (name, out, err)
+        if rc:
+            assert_clean(rc, out, err)
+    assert "metadata slots are in use" in err           # SlotsExhausted, as a DecodeInputError
+
+
+@pytest.mark.parametrize("argv", FLAG_CASES, ids=lambda a: " ".join(a))
+def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
+    trace = tmp_path / "good.jsonl"
+    trace.write_text("\n".join(good_trace()) + "\n")
+    argv = [a.format(trace=trace, dir=tmp_path) for a in argv]
+    rc, out, err, seconds = run_cli(argv, capsys)
+    assert_clean(rc, out, err, codes=(2,))
+    assert seconds < SECONDS, seconds
+    assert not (tmp_path / "good.impl.jsonl").exists()       # nothing ran
+
+
+def test_every_subcommand_has_flag_cases():
+    covered = {a[0] for a in FLAG_CASES}
+    assert set(SUBCOMMANDS) <= covered, set(SUBCOMMANDS) - covered
+
+
+_VALIDATE_ALL = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+from model.cli import main
+out = {{}}
+for path in sys.argv[1:]:
+    try:
+        out[path] = main(["validate", path])
+    except SystemExit as exc:
+        out[path] = exc.code
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_trace_classes_stay_within_a_memory_limit(tmp_path):
+    """Every trace case in one process whose address space is capped at 1 GiB: a
+    MemoryError would end it without the RESULT line."""
+    paths = []
+    for i, case in enumerate(TRACES):
+        if case.path is not None:
+            paths.append(case.path)
+            continue
+        p = tmp_path / f"{i}.jsonl"
+        p.write_bytes(case.content)
+        paths.append(str(p))
+    proc = subprocess.run([sys.executable, "-c", _VALIDATE_ALL.format(limit=MEMORY_BYTES), *paths],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-1000:]
+    codes = json.loads(line[len("RESULT "):])
+    assert set(codes.values()) <= {0, 1, 2}, codes
+    assert "Traceback" not in proc.stderr and "out of memory" not in proc.stderr, proc.stderr[-500:]
