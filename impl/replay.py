@@ -26,8 +26,9 @@ from model.spec.events import Enqueue, Event, Step
 from model.spec.invariants import Violation
 from model.spec.machine import RankStep, StepRecord
 from model.cli import number, writable_problem
-from model.spec.trace import (Header, TraceFormatError, TraceInputError, TraceWriter, open_records,
-                              parse_record, read_trace_file, require_enqueued, require_nothing_after)
+from model.spec.trace import (MAX_CLAIMS, Header, TraceFormatError, TraceInputError, TraceWriter,
+                              open_records, parse_record, read_trace_file, require_enqueued,
+                              require_nothing_after)
 from model.spec.validate import ValidationResult, validate, violation_line
 
 MAX_RANKS = 32      # one process each
@@ -60,6 +61,7 @@ def load_script(lines: Iterable[str]) -> Script:
     header, line, records = open_records(lines)
     events: list[Event] = []
     enqueued: set[int] = set()
+    claims = 0
     for line, obj in records:
         rec = parse_record(obj, line, header)
         if isinstance(rec, int):
@@ -70,7 +72,11 @@ def load_script(lines: Iterable[str]) -> Script:
             enqueued.add(rec.req)
         if isinstance(rec, StepRecord):
             events.append(Step())
-        elif not isinstance(rec, Violation):
+        elif isinstance(rec, Violation):
+            claims += 1
+            if claims > MAX_CLAIMS:      # the same input validate refuses
+                raise TraceFormatError(line, f"more than {MAX_CLAIMS} violation records")
+        else:
             events.append(rec)
     raise TraceFormatError(line, "trace ended before its end record (cut short?)")
 

@@ -21,6 +21,7 @@ MAX_RANKS = 4096                 # the control plane's prefill_rank/rank range (
 MAX_SLOTS = 1 << 20
 MAX_RANK_SLOTS = 1 << 22         # ranks x slots: the spec keeps two rows per slot per rank
 MAX_TIMEOUT_STEPS = 1 << 31
+MAX_CLAIMS = 1000                # violation records: writers make one; each costs a full check
 MAX_LINE_CHARS = 16 << 20        # one record; a 4096-rank step record of 128 queued is ~6 MiB
 ENV_KINDS = {"enqueue": Enqueue, "kv_done": KvDone, "land": Land, "fail": Fail, "fence": Fence}
 KINDS = {"header", "step", "violation", "end", *ENV_KINDS}

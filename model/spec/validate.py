@@ -16,7 +16,7 @@ from model.spec.invariants import (INVARIANTS, Violation, bounded_wait, check_in
 from model.spec.kernel import Decision
 from model.spec.machine import EventNotEnabled, StepRecord, apply
 from model.spec.state import SystemState, initial_state
-from model.spec.trace import (TraceFormatError, TraceInputError, _int, event_record,
+from model.spec.trace import (MAX_CLAIMS, TraceFormatError, TraceInputError, _int, event_record,
                               open_records, parse_record, read_trace_file, require_enqueued,
                               require_nothing_after)
 from model.spec.variants import VARIANTS
@@ -70,6 +70,8 @@ def validate(lines: Iterable[str], variant: str | None = None) -> ValidationResu
             return ValidationResult(True, f"OK: {state.steps} steps match variant {v.name}",
                                     state.steps, state, line, first_violation, claims)
         if isinstance(rec, Violation):
+            if len(claims) >= MAX_CLAIMS:   # each is checked against the whole state
+                raise TraceFormatError(line, f"more than {MAX_CLAIMS} violation records")
             if rec.invariant == "bounded_wait":   # liveness report: needs its bound
                 found = bounded_wait(state, _int(obj, "bound", line))
             elif rec.invariant not in INVARIANTS:

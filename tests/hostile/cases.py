@@ -79,6 +79,20 @@ def _wrong_types(good: list[str]) -> list[TraceCase]:
     return out
 
 
+def _diverged() -> list[str]:
+    """docs/trace-format.md's ungated example: a step, then its queues_identical claim."""
+    from model.spec.invariants import check_invariants
+    fp = io.StringIO()
+    writer = TraceWriter(fp, "ungated", 2, 2, "hostile")
+    state = initial_state(VARIANTS["ungated"], 2, 2)
+    for ev in [Enqueue(0, 77, 5), KvDone(0, 0), KvDone(1, 0), Land(0, 0, PAYLOAD), Land(0, 0, ROOM), Step()]:
+        rec = apply(state, ev)
+        writer.event(ev) if rec is None else writer.step(rec)
+    writer.violation(check_invariants(state, ["queues_identical"])[0], 0)
+    writer.end(state.steps)
+    return fp.getvalue().splitlines()
+
+
 def trace_cases() -> list[TraceCase]:
     good = good_trace()
     header = json.loads(good[0])
@@ -115,6 +129,8 @@ def trace_cases() -> list[TraceCase]:
         TraceCase("poll value 7", _text([good[0], good[1], '{"kind":"step","step":0,"hang":null,"ranks":['
                                         '{"rank":0,"queue":[0],"local":[7],"gated":[7],"reduced":[7],"popped":[]},'
                                         '{"rank":1,"queue":[0],"local":[7],"gated":[7],"reduced":[7],"popped":[]}]}'])),
+        TraceCase("1001 violation claims", _text([*_diverged()[:-1]] + [_diverged()[-2]] * 1000
+                                                 + [_diverged()[-1]])),
         TraceCase("empty file", b""),
         TraceCase("blank lines only", b"\n\n  \n"),
         TraceCase("not UTF-8", b"\xff\xfe\x00garbage\n"),
