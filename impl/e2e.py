@@ -244,3 +244,7 @@ def _remove_rank_files(work: Path, ranks: int) -> None:
             (work / name).unlink()
         except OSError:
             pass
+    try:
+        work.rmdir()          # only if nothing is left (the JSON and trace went elsewhere)
+    except OSError:
+        pass
