@@ -1,7 +1,12 @@
 """The decode-side Mooncake KV receiver: one per request per rank.
 
 States Bootstrapping -> WaitingForInput -> Success | Failed, monotonic (max), Failed
-overrides, and latched once Success or Failed is visible (SGLang's receiver).
+overrides, and latched once Success or Failed is visible (SGLang's receiver), with one
+exception the spec makes too (model.spec.machine._latch): a Failed that arrives after
+Success while the request is still queued is honoured. That is the late Failed of a
+prefill found dead while the gate holds a request whose metadata never came: it
+becomes visible at the next step boundary, and the MIN aborts the request on every
+rank in that step instead of at strict's timeout (or, under ``gate``, never).
 
 Two views, so that a rank's scheduler sees the network only at step boundaries: the
 status and heartbeat threads ``deliver`` into a pending state, and the rank's own
@@ -17,7 +22,6 @@ from dataclasses import dataclass
 from impl.mooncake.engine import MooncakeError
 
 BOOTSTRAPPING, WAITING, SUCCESS, FAILED = 1, 2, 4, 0
-_LATCHED = (SUCCESS, FAILED)
 
 
 class KVTransferFailed(MooncakeError):
@@ -56,13 +60,15 @@ class MooncakeKVReceiver:
         self._fenced = False
         self._landed = False
         self._fence_taken = False
+        self._left = False                     # clear()ed: the request left the queue
         self.success_at: float | None = None   # monotonic time the Success status arrived
 
     # -- called by the transport (any thread) --------------------------------------
     def deliver(self, state: int, reason: str | None = None, at: float | None = None) -> bool:
-        """Advance the pending state; returns False if it was ignored (latched or backwards)."""
+        """Advance the pending state; returns False if it was ignored (latched, backwards,
+        or a Failed for a request that already left the queue)."""
         with self._lock:
-            if self._pending in _LATCHED:
+            if self._pending == FAILED or self._pending == SUCCESS and (state != FAILED or self._left):
                 return False
             if state == FAILED:
                 self._pending, self._reason = FAILED, reason or "failed"
@@ -93,7 +99,7 @@ class MooncakeKVReceiver:
         """Make pending changes visible (latched values never change again)."""
         with self._lock:
             before, fenced_before = self._visible, self._fenced
-            if before not in _LATCHED:
+            if before != FAILED and not self._left:   # Success still yields to a late Failed
                 self._visible = self._pending
             self._fenced = self._pending_fence
             now = self._visible
@@ -128,4 +134,7 @@ class MooncakeKVReceiver:
         return KVTransferFailed(self.room, self._reason or "failed")
 
     def clear(self) -> None:
-        """Called when the request leaves the queue; the transport forgets it separately."""
+        """Called when the request leaves the queue (the transport forgets it separately):
+        from now on nothing the network says changes what this rank decided."""
+        with self._lock:
+            self._left = True

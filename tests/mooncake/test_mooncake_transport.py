@@ -119,10 +119,24 @@ def test_receiver_is_monotonic_and_latched(link):
     rec = rank.transport.start(specs[0].room, 0, rank.pages(specs[0].n_pages), server.endpoint)
     assert isinstance(rec, KVReceiver)
     assert settle(rec) == SUCCESS
-    assert not rec.deliver(FAILED, "late failure")      # latched: ignored
-    assert not rec.deliver(WAITING)
+    assert not rec.deliver(WAITING)                     # latched: never backwards
     rec.observe()
     assert rec.poll() == SUCCESS and rec.failure_exception() is None
+    rec.clear()                                         # left the queue: decided
+    assert not rec.deliver(FAILED, "late failure")
+    rec.observe()
+    assert rec.poll() == SUCCESS and rec.failure_exception() is None
+
+
+def test_a_late_failed_overrides_success_while_queued(link):
+    server, rank, specs = link
+    rec = rank.transport.start(specs[5].room, 5, rank.pages(specs[5].n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS
+    assert rec.deliver(FAILED, "prefill died")          # still queued (the gate holds it)
+    assert not rec.deliver(SUCCESS)
+    seen = rec.observe()
+    assert seen.failed and rec.poll() == FAILED and "prefill died" in str(rec.failure_exception())
+    assert not rec.deliver(FAILED, "again")             # Failed latches for good
 
 
 HOSTILE_STATUS = [
