@@ -162,6 +162,17 @@ def _one_line_error(prog: str):
     return error
 
 
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """The parser ``pdgate NAME`` uses, flags and checks included (tests enumerate its
+    flags to generate hostile values for each)."""
+    mod_name, help_text = SUBCOMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"pdgate {name}", description=help_text)
+    p.error = _one_line_error(f"pdgate {name}")
+    importlib.import_module(mod_name).add_arguments(p)
+    refuse_nonfinite(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, sub = _parser()

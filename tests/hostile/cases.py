@@ -200,6 +200,23 @@ FLAG_CASES: list[list[str]] = [
     ["nosuchcommand"], ["--bogus-flag"],
 ]
 
+def typed_flag_cases() -> list[list[str]]:
+    """For every subcommand (present and future) and each of its flags that converts
+    its value: NaN, inf and a value past any limit, plus an unknown flag. Positional
+    traces get the good trace ({trace})."""
+    from model.cli import SUBCOMMANDS, subcommand_parser
+    out = []
+    for name in SUBCOMMANDS:
+        parser = subcommand_parser(name)
+        positionals = ["{trace}" for a in parser._actions if not a.option_strings and a.nargs is None]
+        out.append([name, *positionals, "--definitely-not-a-flag"])
+        for action in parser._actions:
+            if action.option_strings and action.type is not None:
+                flag = max(action.option_strings, key=len)
+                out += [[name, *positionals, flag, v] for v in ("nan", "inf", "-1e400")]
+    return out
+
+
 # Found on this branch, left to the simulator's owner (sim/ internals, not the CLI
 # boundary): they run for minutes or crash. Not run here; listed in the report.
 SIM_PENDING = [
