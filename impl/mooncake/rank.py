@@ -280,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("impl.mooncake.rank: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
-    rank = DecodeRank(a)
+    try:
+        rank = DecodeRank(a)
+    except ValueError as exc:        # no key on stdin, or a bad one: one line
+        print(f"impl.mooncake.rank: {exc}", file=sys.stderr)
+        return 2
     try:
         rank.run()
         rank.write_result()
