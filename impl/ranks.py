@@ -12,7 +12,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 import traceback

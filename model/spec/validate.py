@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from model.spec.events import Enqueue, Event, Step
+from model.spec.events import Event, Step
 from model.spec.invariants import (INVARIANTS, Violation, bounded_wait, check_invariants,
                                    step_violations)
 from model.spec.kernel import Decision
