@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -180,6 +181,10 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
         return (f"need 1 <= --min-pages <= --max-pages <= --pages, got {args.min_pages}, "
                 f"{args.max_pages} and {args.pages}")
+    try:
+        socket.getaddrinfo(args.host, None)
+    except (OSError, UnicodeError):
+        return f"--host {args.host!r} does not resolve to an address"
     if args.device not in ("cpu", "cuda"):
         return f"--device must be cpu or cuda, got {args.device!r}"
     if args.device == "cuda":

@@ -15,6 +15,8 @@ import logging
 import sys
 import time
 
+import zmq
+
 from impl.mooncake.auth import receive_key
 from impl.mooncake.engine import Engine, MooncakeError
 from impl.mooncake.prefill import Faults, PrefillServer
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         server = PrefillServer(Engine(args.host), specs, args.ranks, args.page_bytes,
                                secret=secret, host=args.host, port=args.port,
                                workers=args.workers, faults=faults)
-    except (MooncakeError, ValueError) as exc:
+    except (MooncakeError, ValueError, zmq.ZMQError) as exc:
         print(f"prefill: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({"endpoint": server.endpoint, "session": server.engine.session_id}), flush=True)
