@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from array import array
 import time
 from collections import deque
@@ -24,6 +25,7 @@ import numpy as np
 import simpy
 from simpy.events import URGENT, Event
 
+from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, deliver, step_pops
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
@@ -38,7 +40,9 @@ from sim.draws import Draws, StepTimes, draw, stream
 from sim.errors import SimInputError
 from sim.workload import Workload
 
-KV, FAIL, PAY, ROOMF = 0, 1, 2, 3          # timeline event kinds, in same-time order
+# timeline event kinds, in same-time order (codes kind * ranks + rank, as batch.deliver's)
+KV, FAIL, PAY, ROOMF = KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
+CHUNK = 4096      # requests whose timelines are laid out together (see _layout)
 _LAND_FIELD = (None, None, PAYLOAD, ROOM)   # by kind
 _STEP = Step()
 FORGET_BATCH = 256
@@ -99,13 +103,16 @@ class _At(Event):
 
 
 class _Timeline:
-    """One request's per-rank events (KV, then metadata), delivered in time order with
-    a single pending SimPy event at a time (keeps memory per request small)."""
-    __slots__ = ("req", "times", "codes", "pos", "due")
+    """One request's per-rank events (KV, then metadata), in time order. While its
+    request is queued they wait, undelivered, until a protocol step needs them (``lazy``,
+    see Simulation._drain); otherwise a single pending SimPy event at a time delivers
+    them at their times (keeps memory per request small)."""
+    __slots__ = ("req", "times", "codes", "pos", "due", "lazy")
 
     def __init__(self, req: int, times: Sequence[float], codes: Sequence[int]):
-        self.req, self.times, self.codes, self.pos = req, array("d", times), array("h", codes), 0
+        self.req, self.times, self.codes, self.pos = req, array("d", times), array("q", codes), 0
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
+        self.lazy = False
 
 
 @dataclass
@@ -142,7 +149,10 @@ class RunData:
 
 class Simulation:
     def __init__(self, cfg: SimConfig, workload: Workload, trace: TraceWriter | None = None,
-                 record_spans: bool = False, draws: Draws | None = None):
+                 record_spans: bool = False, draws: Draws | None = None, eager: bool = False):
+        """``eager``: every environment batch and every scheduler step is its own SimPy
+        event (always so with a trace, whose records are then in time order); otherwise
+        the same run with far fewer SimPy events (see _drain and _scheduler)."""
         self.cfg = cfg.validate()
         self.variant = resolve_variant(cfg)
         self.wl = workload
@@ -177,9 +187,14 @@ class Simulation:
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
         # timeline code -> (kind, rank): a table lookup instead of a divmod per event
         self.decode = [divmod(code, T) for code in range(4 * T)]
+        self.eager = eager or trace is not None
+        self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
+        self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
+        self.end_ms = 0.0
+        self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
 
     # -- environment events ------------------------------------------------------------
-    def _env_events(self, events: list[Any]) -> None:
+    def _env_events(self, events: list[Any], now: float) -> None:
         state = self.state
         try:
             for ev in events:
@@ -189,7 +204,7 @@ class Simulation:
         self.since_poll += len(events)
         if self.trace is not None:
             for ev in events:
-                self.trace.event(ev, self.env.now)
+                self.trace.event(ev, now)
 
     def _arrivals(self):
         env, wl = self.env, self.wl
@@ -220,16 +235,18 @@ class Simulation:
         while self.prefills and self.prefills[0][0] <= target:
             self.prealloc.append(heapq.heappop(self.prefills)[1])
         self._wake_prefills()
-        self._admit()
+        self._admit(self.env.now)
         self._settle()
 
-    def _admit(self) -> None:
+    def _admit(self, now: float) -> None:
+        """Enqueue waiting requests (at simulated time ``now``) while the pool and every
+        rank's free list have room."""
         ranks, prealloc, pool = self.state.ranks, self.prealloc, self.cfg.request_pool
         while prealloc and self.in_pool < pool:
             for rs in ranks:        # a loop, not all(): this runs after every delivery
                 if not rs.free:
                     return
-            self._enqueue(prealloc.popleft())
+            self._enqueue(prealloc.popleft(), now)
 
     def _shift_stalls(self, k: int, t: float) -> float:
         """``t`` moved past any stall of rank ``k`` that covers it."""
@@ -238,10 +255,68 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _enqueue(self, i: int) -> None:
-        d, now, T, rtt = self.d, self.env.now, self.T, self.room_rtt
-        self._env_events([Enqueue(i, d.room[i], d.payload[i])])
+    def _layout(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
+        with numpy: event times sorted per request (absent events last, at +inf), their
+        codes, the count of real events, the last write per rank (-inf: none) and the
+        latest KV completion. Without stalls an event's time is enqueue + offset, and
+        adding the same number keeps the order, so the order is known up front."""
+        cached = self.layouts.get(c)
+        if cached is not None:
+            return cached
+        d, T, lo = self.d, self.T, c * CHUNK
+        hi = min(lo + CHUNK, len(self.wl))
+        xfer, lag = d.xfer_ms[lo:hi], d.lag_ms[lo:hi]
+        fr = d.fail_rank[lo:hi]
+        failed = np.arange(T)[None, :] == fr[:, None]
+        extra = np.where(fr >= 0, d.late_ms[lo:hi], 0.0)
+        land = xfer + lag + extra[:, None]
+        meta = ~(failed | d.lost[lo:hi])
+        room = np.where(meta, land + self.room_rtt, np.inf)
+        rel = np.concatenate([xfer, np.where(meta, land, np.inf), room], axis=1)
+        k = np.arange(T)[None, :]
+        codes = np.concatenate([np.where(failed, FAIL * T + k, KV * T + k),
+                                np.broadcast_to(PAY * T + k, xfer.shape),
+                                np.broadcast_to(ROOMF * T + k, xfer.shape)], axis=1)
+        order = np.lexsort((codes, rel))
+        rel = np.take_along_axis(rel, order, axis=1)
+        codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
+        count = np.isfinite(rel).sum(axis=1)
+        out = (rel, codes, count, np.where(meta, room, -math.inf), xfer.max(axis=1))
+        if len(self.layouts) >= 4:       # requests enqueue in about arrival order
+            self.layouts.pop(next(iter(self.layouts)))
+        self.layouts[c] = out
+        return out
+
+    def _enqueue(self, i: int, now: float) -> None:
+        d = self.d
+        self._env_events([Enqueue(i, d.room[i], d.payload[i])], now)
         self.in_pool += 1
+        if self.cfg.stalls or self.record:
+            tl = self._timeline_of(i, now)
+        else:
+            c, j = divmod(i, CHUNK)
+            rel, codes, count, last, kv_max = self._layout(c)
+            m = int(count[j])
+            tl = _Timeline(i, (), ())
+            tl.times.frombytes((now + rel[j, :m]).tobytes())
+            tl.codes.frombytes(codes[j, :m].tobytes())
+            self.write_end[i] = now + last[j]
+            if d.fail_rank[i] < 0:
+                self.kv_all_ms[i] = now + kv_max[j]
+        if self.eager:
+            self._schedule(tl)
+        else:
+            tl.lazy = True
+            self.active[i] = tl
+            heapq.heappush(self.lazy, (tl.times[0], i, tl))
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def _timeline_of(self, i: int, now: float) -> _Timeline:
+        """Request ``i``'s timeline one event at a time: with stalls (which move events
+        by their absolute time) or Perfetto spans to record."""
+        d, T, rtt = self.d, self.T, self.room_rtt
         fr = int(d.fail_rank[i])
         extra = float(d.late_ms[i]) if fr >= 0 else 0.0
         xfer, lag, lost = d.xfer_ms[i].tolist(), d.lag_ms[i].tolist(), d.lost[i].tolist()
@@ -250,17 +325,12 @@ class Simulation:
         kv_all = -math.inf
         stalls, record = self.cfg.stalls, self.record
         for k in range(T):
-            kv = now + xfer[k]
-            if stalls:
-                kv = self._shift_stalls(k, kv)
-            if kv > kv_all:
-                kv_all = kv
+            kv = self._shift_stalls(k, now + xfer[k])
+            kv_all = max(kv_all, kv)
             events.append((kv, (FAIL if k == fr else KV) * T + k))
             if k == fr or lost[k]:
                 continue
-            land = kv + lag[k] + extra
-            if stalls:
-                land = self._shift_stalls(k, land)
+            land = self._shift_stalls(k, kv + lag[k] + extra)
             events.append((land, PAY * T + k))
             events.append((land + rtt, ROOMF * T + k))
             write_end[k] = land + rtt
@@ -272,20 +342,22 @@ class Simulation:
             self.kv_all_ms[i] = kv_all
         events.sort()
         times, codes = zip(*events)
-        tl = _Timeline(i, times, codes)
-        self.pending += 1
-        tl.due = _At(self.env, tl.times[0] - now, self._timeline, tl)
-        if self.wake is not None and not self.wake.triggered:
-            self.wake.succeed()
+        return _Timeline(i, times, codes)
 
-    def _timeline(self, tl: _Timeline) -> None:
-        """Deliver the timeline's events due at its next time (one batch, one SimPy event).
-        Without a trace, the spec's transitions are called on plain fields: the same
-        transitions as ``apply`` of the events, minus building an object per event."""
-        now, decode, i, state = self.env.now, self.decode, tl.req, self.state
+    def _schedule(self, tl: _Timeline) -> None:
+        """Deliver ``tl``'s remaining events at their times, by SimPy events."""
+        self.pending += 1
+        tl.due = _At(self.env, tl.times[tl.pos] - self.env.now, self._timeline, tl)
+
+    def _deliver(self, tl: _Timeline, until: float) -> None:
+        """Deliver the timeline's events due at its next time or, with ``until``, every
+        event up to that time. Without a trace, the spec's transitions are called on
+        plain fields: the same transitions as ``apply`` of the events, minus building an
+        object per event."""
+        decode, i, state = self.decode, tl.req, self.state
         ranks, direct = state.ranks, self.trace is None
         times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
-        target = times[pos]      # exact, where now may differ from it in the last bit
+        target = max(times[pos], until)   # exact, where now may differ from it in the last bit
         batch: list[Any] = []
         delivered = 0
         try:
@@ -311,14 +383,52 @@ class Simulation:
         if direct:
             self.since_poll += delivered
         else:
-            self._env_events(batch)   # env events never pop: the checks above stay valid
+            self._env_events(batch, self.env.now)   # env events never pop: the checks above stay valid
         tl.pos = pos
-        if pos < end:
-            tl.due.again(times[pos] - now)
+
+    def _timeline(self, tl: _Timeline) -> None:
+        """The SimPy callback of a scheduled timeline: one batch, then the next."""
+        self._deliver(tl, -math.inf)
+        if tl.pos < len(tl.times):
+            tl.due.again(tl.times[tl.pos] - self.env.now)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
-            self._admit()
+            self._admit(self.env.now)
+
+    def _drain(self, now: float) -> None:
+        """Deliver every waiting event of the queued requests due at or before ``now``.
+        Exact: until a request leaves the queue, its KV and metadata events change only
+        its own receiver, row and landed bits, which nothing reads before the next
+        protocol step (admission reads the free lists, which they cannot change); and
+        events of different requests commute."""
+        heap = self.lazy
+        while heap and heap[0][0] <= now:
+            tl = heapq.heappop(heap)[2]
+            if not tl.lazy:
+                continue            # its request left the queue: SimPy delivers the rest
+            pos = tl.pos
+            end = bisect_right(tl.times, now, pos)
+            try:
+                deliver(self.state, tl.req, tl.codes[pos:end])
+            except EventNotEnabled as exc:
+                _refused(exc)
+            self.since_poll += end - pos
+            tl.pos = end
+            if end < len(tl.times):
+                heapq.heappush(heap, (tl.times[tl.pos], tl.req, tl))
+            else:
+                tl.lazy = False
+                del self.active[tl.req]
+
+    def _leave(self, popped: Sequence[tuple[int, int, int]]) -> None:
+        """Requests that left the queue: their undelivered events (late writes, which can
+        free a quarantined slot) now happen at their own times."""
+        for r, _, _ in popped:
+            tl = self.active.pop(r, None)
+            if tl is not None:
+                tl.lazy = False
+                self._schedule(tl)
 
     def _fence(self, key: tuple[int, int]) -> None:
         k, i = key
@@ -328,8 +438,8 @@ class Simulation:
                 # prefill acknowledges only once its writes are done: wait for them
                 _At(self.env, self.write_end[i, k] - now, self._fence, key)
                 return
-            self._env_events([Fence(k, i)])
-            self._admit()       # the fence may have freed a quarantined slot
+            self._env_events([Fence(k, i)], now)
+            self._admit(now)    # the fence may have freed a quarantined slot
         self._settle()
 
     def _settle(self) -> None:
@@ -340,53 +450,85 @@ class Simulation:
             self.wake.succeed()
 
     # -- the decode scheduler ----------------------------------------------------------
+    def _catch_up(self, t: float):
+        """Let every SimPy event due at or before ``t`` happen (then the scheduler acts at
+        ``t`` on what they did). When none is due, the scheduler runs ahead of SimPy's
+        clock without yielding: nothing could have happened in between. Eager: a SimPy
+        event for every scheduler action, as a trace wants."""
+        env = self.env
+        if self.eager:
+            yield env.timeout(t - env.now)
+            return
+        while env.peek() <= t:
+            yield env.timeout(max(0.0, t - env.now))
+
     def _scheduler(self):
         env, state, cfg = self.env, self.state, self.cfg
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
+        eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        t = env.now                          # the scheduler's clock (>= SimPy's)
         while self.decided < n:
-            if not ranks[0].queue and not self.running:
-                if self.pending == 0:      # nothing can arrive or land any more
+            if eager or env.peek() <= t:
+                yield from self._catch_up(t)
+            if not ranks[0].queue and not running:
+                if self.pending == 0 and not self.active:   # nothing can arrive or land any more
                     self.stuck = len(self.prealloc)
-                    return
+                    break
                 self.wake = env.event()
                 yield self.wake
                 self.wake = None
+                t = env.now
                 continue
             queued = len(ranks[0].queue)
             if queued:
-                s = env.now
-                rec = apply(state, _STEP, detail=detail)
+                s = t
+                if self.lazy:
+                    self._drain(s)
+                rec = apply(state, _STEP) if detail else step_pops(state)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
                 found = step_violations(state, rec)
                 if found:
                     self.divergence = Divergence(rec.step, s, found[0])
-                    return
+                    break
+                if rec.popped[0] and self.active:
+                    self._leave(rec.popped[0])
                 cost = cfg.allreduce_alpha_ms + cfg.allreduce_beta_ms * queued
                 if self.record:
                     self.spans.append(("step", -1, rec.step, s, s + cost))
-                yield env.timeout(cost)
-                popped = self._record_pops(rec)
+                t = s + cost
+                if eager or env.peek() <= t:
+                    yield from self._catch_up(t)
+                popped = self._record_pops(rec, t)
                 if (not popped and not self.since_poll and timeout is None and self.pending == 0
-                        and not self.running):   # nothing can change any more: held forever
+                        and not running and not self.active):   # nothing can change: held forever
                     self.stuck = len(ranks[0].queue) + len(self.prealloc)
-                    return
-            self.decode_steps += 1
-            while self.running and self.running[0][0] <= self.decode_steps:
-                heapq.heappop(self.running)
-                self.in_pool -= 1
-                self.finished += 1
-            self._admit()
-            yield env.timeout(self.forward.next() if self.running else self.idle.next())
+                    break
+            # A decode step; with an empty transfer queue several run back to back (no
+            # protocol step between them) until something is due or a request enqueues.
+            nxt = env.peek() if not (queued or eager) else t
+            while True:
+                self.decode_steps += 1
+                while running and running[0][0] <= self.decode_steps:
+                    heapq.heappop(running)
+                    self.in_pool -= 1
+                    self.finished += 1
+                if self.prealloc:
+                    self._admit(t)
+                t += forward.next() if running else idle.next()
+                if t >= nxt or not running or ranks[0].queue:
+                    break
+        self.end_ms = t
 
-    def _record_pops(self, rec: StepRecord | StepPops) -> int:
+    def _record_pops(self, rec: StepRecord | StepPops, now: float) -> int:
+        """Book the step's pops, which take effect at ``now`` (after the all-reduce)."""
         popped = rec.popped
         if not popped[0]:       # the checks passed, so every rank popped the same: nothing
             return 0
-        now, d = self.env.now, self.d
+        d = self.d
         for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
@@ -406,7 +548,7 @@ class Simulation:
             for r, dec, _ in rank_popped:
                 if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
                     self.pending += 1
-                    _At(self.env, float(d.fence_ms[r, k]), self._fence, (k, r))
+                    _At(self.env, now + float(d.fence_ms[r, k]) - self.env.now, self._fence, (k, r))
         return len(popped[0])
 
     def _forget_done(self) -> None:
@@ -433,4 +575,4 @@ class Simulation:
             self.trace.end(self.state.steps)
         return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
                        self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
-                       env.now, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans)
+                       self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans)
