@@ -13,9 +13,10 @@ from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.engine import RunData, Simulation, resolve_variant, trace_name
-from sim.errors import SimInputError, run_reporting
+from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
-from sim.results import divergence_line, dumps, summarize, table
+from sim.results import divergence_line, dumps, step_note, summarize, table
+from sim.workload import Workload
 
 PROG = "pdgate simulate"
 IDEAL = "ideal"   # --compare's extra reference run (ideal_config)
@@ -56,14 +57,15 @@ def ideal_config(cfg: SimConfig) -> SimConfig:
 
 
 def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: str | None,
-                 record: bool, several: bool = False) -> RunData:
+                 record: bool, several: bool = False, workload: Workload | None = None) -> RunData:
     """One run with the flags' model (variant "ideal": see ideal_config); ``trace_path``
     gets the spec trace."""
     cfg = build_config(args, "ungated" if variant == IDEAL else variant, args.ranks,
                        args.metadata_lag, seed, several)
     if variant == IDEAL:
         cfg = ideal_config(cfg)
-    workload = build_workload(args, args.rate, seed)
+    if workload is None:
+        workload = build_workload(args, args.rate, seed)
     if trace_path is None:
         return Simulation(cfg, workload, record_spans=record).run()
     v = resolve_variant(cfg)
@@ -79,6 +81,17 @@ def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: 
         writer = TraceWriter(fp, name, cfg.ranks, cfg.n_slots(), f"pdgate simulate seed={seed}",
                              v.timeout_steps, workload=workload.source)
         return Simulation(cfg, workload, trace=writer, record_spans=record).run()
+
+
+def check_outputs(args: argparse.Namespace, names: list[str]) -> None:
+    """Every output path is checked before any work (not after a long run)."""
+    several = args.compare is not None
+    for n in names + ([IDEAL] if several else []):
+        if args.trace:
+            check_writable(_trace_path(args.trace, n, several), "--trace")
+    check_writable(args.json, "--json")
+    check_writable(args.perfetto, "--perfetto")
+    check_writable(args.plot, "--plot", directory=True)
 
 
 def _variants(args: argparse.Namespace) -> list[str]:
@@ -107,15 +120,30 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     several = args.compare is not None
     reps = args.replications if several else 1
     record = bool(args.perfetto)
+    check_outputs(args, names)
+    for n in names:     # bad flags are refused before any trace is read or run started
+        build_config(args, n, args.ranks, args.metadata_lag, args.seed, several)
     runs: dict[str, list[RunData]] = {n: [] for n in names + ([IDEAL] if several else [])}
     for rep in range(reps):
+        # a replay is read once (it does not depend on the seed); synthetic load per seed
+        if rep == 0 or not args.trace_in:
+            workload = build_workload(args, args.rate, args.seed + rep)
         for n in runs:
             path = _trace_path(args.trace, n, several) if args.trace and rep == 0 else None
             runs[n].append(simulate_one(args, n, args.seed + rep, path, record and rep == 0,
-                                        several))
+                                        several, workload))
     wall = not args.no_wall_clock
     summaries = [summarize(runs[n][0], wall) for n in names]
     print(table(summaries))
+    info = workload.info
+    if info:
+        print(f"replay: {info['requests']} requests of {info['format']} trace {args.trace_in}"
+              + (f" (--requests truncates: the trace has more rows)" if info["truncated_by_requests"] else "")
+              + (f", window {info['window_s'][0]:g}-{info['window_s'][1]:g} s" if info["window_s"] else "")
+              + (f", time scale {info['time_scale']:g}" if info["time_scale"] != 1 else "")
+              + f", {info['failed_rows']} failed rows (0 output tokens) replayed as failed transfers"
+              + f", prefix-cache hit rate {info['prefix_hit_rate']:.1%} of prompt tokens")
+    print(step_note(runs[names[0]][0]))
     for s in summaries:
         line = divergence_line(s)
         if line:
@@ -155,6 +183,9 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
             print(f"wrote {path}")
     if args.json:
         _write(args.json, dumps(out), "--json")
+    cut = [f"{s['variant']}: {s['cut_short']}" for s in summaries if s["cut_short"]]
+    if cut:
+        raise SimCutShort("; ".join(cut))
     return out
 
 

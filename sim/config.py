@@ -62,6 +62,9 @@ class SimConfig:
     lost_metadata_prob: float = 0.0        # per request and rank: the metadata never lands
     late_write: Dist | None = None         # extra delay of a failed request's metadata writes
     stalls: tuple[Stall, ...] = ()
+    # bounds on a run (a run that would not end is refused or stopped with a message)
+    max_sim_s: float = 1e7                 # simulated seconds
+    max_steps: int | None = None           # protocol steps (None: 10**5 + 1000 per request)
 
     def lag_dists(self) -> tuple[Dist, ...]:
         if self.metadata_lag is not None:
@@ -101,7 +104,18 @@ class SimConfig:
         need(len(self.lag_dists()) == self.ranks, "--metadata-lag", "needs one distribution per rank")
         need(self.lag_skew is None or len(self.lag_skew) == self.ranks, "--lag-skew",
              "needs one multiplier per rank")
+        need(math.isfinite(self.max_sim_s) and self.max_sim_s > 0, "--max-sim-seconds",
+             f"must be a finite number > 0, got {self.max_sim_s}")
+        limit_ms = self.max_sim_s * 1000.0
         for s in self.stalls:
             need(0 <= s.rank < self.ranks, "--stall", f"rank {s.rank} out of range 0..{self.ranks - 1}")
             need(s.start_ms >= 0 and s.duration_ms > 0, "--stall", "start must be >= 0 and duration > 0")
+            need(s.start_ms + s.duration_ms <= limit_ms, "--stall",
+                 f"the window ends after --max-sim-seconds ({self.max_sim_s:g} s)")
+        for flag, val in (("--allreduce-alpha", self.allreduce_alpha_ms),
+                          ("--allreduce-beta", self.allreduce_beta_ms)):
+            need(val <= limit_ms, flag, f"{val:g} ms exceeds --max-sim-seconds ({self.max_sim_s:g} s)")
+        for flag, dist in (("--forward", self.forward), ("--idle-step", self.idle_step)):
+            need(dist.kind != "const" or dist.params[0] <= limit_ms, flag,
+                 f"{dist} exceeds --max-sim-seconds ({self.max_sim_s:g} s)")
         return self

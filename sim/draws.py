@@ -13,6 +13,7 @@ import numpy as np
 
 from sim.config import SimConfig
 from sim.dists import Dist
+from sim.errors import SimInputError
 from sim.workload import Workload
 
 STREAMS = {"workload": 0, "transfer": 1, "lag": 2, "faults": 3, "ids": 4, "forward": 5,
@@ -37,8 +38,14 @@ class Draws:
     payload: list[int]       # first output token, non-zero int32
 
 
+MAX_CELLS = 10**8     # requests x ranks: the draws below hold ~33 bytes per (request, rank)
+
+
 def draw(cfg: SimConfig, wl: Workload) -> Draws:
     n, T = len(wl), cfg.ranks
+    if n * T > MAX_CELLS:
+        raise SimInputError(f"--requests x --ranks is {n * T}; the simulator draws per request and "
+                            f"rank up front and takes at most {MAX_CELLS}")
     tokens = wl.input_len.astype(np.float64)
     ranges = np.ceil(tokens / cfg.page_tokens)
     base = (cfg.te_overhead_ms + cfg.te_per_range_ms * ranges
@@ -51,6 +58,8 @@ def draw(cfg: SimConfig, wl: Workload) -> Draws:
         lag[:, k] = dist.draw(rng, n) * skew[k]
     rng = stream(cfg.seed, "faults")
     fails = rng.random(n) < cfg.fail_prob
+    if wl.failed is not None:        # a trace's failed request: its transfer fails
+        fails |= wl.failed
     fail_rank = np.where(fails, rng.integers(0, T, n), -1)
     lost = rng.random((n, T)) < cfg.lost_metadata_prob
     late = cfg.late_write.draw(rng, n) if cfg.late_write is not None else np.zeros(n)
@@ -58,8 +67,27 @@ def draw(cfg: SimConfig, wl: Workload) -> Draws:
     room = rng.integers(1, 2**63 - 1, n, dtype=np.int64).tolist()
     payload = rng.integers(1, 2**31 - 1, n, dtype=np.int64).tolist()
     fence = cfg.fence_delay.draw(stream(cfg.seed, "fence"), n * T).reshape(n, T)
-    prefill = cfg.prefill_base_ms + cfg.prefill_ms_per_token * tokens
-    return Draws(prefill, xfer, lag, fail_rank, lost, late, fence, room, payload)
+    # prefill computes only the prompt tokens its prefix cache does not hold
+    computed = tokens if wl.cached_tokens is None else tokens - wl.cached_tokens
+    prefill = cfg.prefill_base_ms + cfg.prefill_ms_per_token * computed
+    out = Draws(prefill, xfer, lag, fail_rank, lost, late, fence, room, payload)
+    _check_bounded(out, cfg)
+    return out
+
+
+def _check_bounded(d: Draws, cfg: SimConfig) -> None:
+    """Every drawn duration must be finite and within --max-sim-seconds: a lag of
+    ``const:1e308`` or ``lognormal:1e6,1`` would make a run that never ends."""
+    limit = cfg.max_sim_s * 1000.0
+    for flag, x in (("--prefill-base/--prefill-per-token", d.prefill_ms),
+                    ("--kv-bytes-per-token/--bandwidth/--kv-jitter", d.xfer_ms),
+                    ("--metadata-lag", d.lag_ms), ("--late-write", d.late_ms),
+                    ("--fence-delay", d.fence_ms)):
+        if x.size:
+            top = float(np.max(x))
+            if not top <= limit:       # also catches NaN and inf
+                raise SimInputError(f"{flag}: draws up to {top:.3g} ms exceed --max-sim-seconds "
+                                    f"({cfg.max_sim_s:g} s), so the run would not end")
 
 
 class StepTimes:

@@ -145,6 +145,7 @@ class RunData:
     stuck: int                     # requests held forever (no timeout can free them)
     peak_in_flight: int            # most requests arrived and not yet done at once
     spans: list[tuple] = field(default_factory=list)   # Perfetto data, when recorded
+    cut_short: str | None = None   # the run hit --max-sim-seconds or --max-steps
 
 
 class Simulation:
@@ -156,6 +157,9 @@ class Simulation:
         self.cfg = cfg.validate()
         self.variant = resolve_variant(cfg)
         self.wl = workload
+        if len(workload) and not float(workload.arrival_ms[-1]) <= cfg.max_sim_s * 1000.0:
+            raise SimInputError(f"the workload's arrivals span {float(workload.arrival_ms[-1]) / 1000:.4g} s, "
+                                f"beyond --max-sim-seconds ({cfg.max_sim_s:g} s)")
         self.d = draws if draws is not None else draw(cfg, workload)
         self.trace, self.record = trace, record_spans
         n, T = len(workload), cfg.ranks
@@ -191,6 +195,7 @@ class Simulation:
         self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
         self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
         self.end_ms = 0.0
+        self.cut_short: str | None = None      # why the run stopped before every request was decided
         self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
 
     # -- environment events ------------------------------------------------------------
@@ -469,7 +474,17 @@ class Simulation:
         detail = self.trace is not None      # the trace needs the full StepRecord
         eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
         t = env.now                          # the scheduler's clock (>= SimPy's)
+        limit_ms = cfg.max_sim_s * 1000.0
+        # protocol steps bound the work (decode steps are bounded by the output tokens)
+        max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
         while self.decided < n:
+            if t > limit_ms or state.steps >= max_steps:
+                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after "
+                                  f"{state.steps} protocol steps with "
+                                  f"{n - self.decided} request(s) undecided: "
+                                  + ("--max-sim-seconds" if t > limit_ms else "--max-steps")
+                                  + " reached (raise it to go on)")
+                break
             if eager or env.peek() <= t:
                 yield from self._catch_up(t)
             if not ranks[0].queue and not running:
@@ -575,4 +590,5 @@ class Simulation:
             self.trace.end(self.state.steps)
         return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
                        self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
-                       self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans)
+                       self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
+                       self.cut_short)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -10,12 +12,43 @@ class SimInputError(ValueError):
     """Bad input (a flag value, a trace row, a sample file); ``str()`` is one line."""
 
 
+class SimCutShort(Exception):
+    """A run stopped at --max-sim-seconds / --max-steps (its outputs were written)."""
+
+
+def check_writable(path: str | None, flag: str, directory: bool = False) -> None:
+    """Refuse, before any work, an output path that could not be written."""
+    if path is None:
+        return
+    target = Path(path)
+    if directory:
+        probe = target if target.exists() else target.parent
+        if target.exists() and not target.is_dir():
+            raise SimInputError(f"{flag}: {path} exists and is not a directory")
+    else:
+        if target.is_dir():
+            raise SimInputError(f"{flag}: {path} is a directory")
+        probe = target if target.exists() else target.parent
+    probe = probe if str(probe) else Path(".")
+    if not probe.exists():
+        raise SimInputError(f"{flag}: cannot write {path}: {probe} does not exist")
+    if not os.access(probe, os.W_OK | (os.X_OK if probe.is_dir() else 0)):
+        raise SimInputError(f"{flag}: cannot write {path}: permission denied")
+
+
 def run_reporting(prog: str, execute: Callable[[argparse.Namespace], object],
                   args: argparse.Namespace) -> int:
-    """Run a subcommand: bad input becomes one line on stderr and exit status 2."""
+    """Run a subcommand: bad input becomes one line on stderr and exit status 2; a run
+    cut short by its bounds, one line and exit status 1."""
     try:
         execute(args)
     except SimInputError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    except SimCutShort as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"{prog}: out of memory (use fewer --requests or --ranks)", file=sys.stderr)
+        return 1
     return 0
