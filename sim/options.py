@@ -12,13 +12,13 @@ from sim.config import ALLREDUCE_ALPHA_MS, ALLREDUCE_BETA_MS, TE_GBPS, SimConfig
 from sim.dists import parse_dist, parse_rank_dists, parse_skew
 from sim.draws import stream
 from sim.errors import SimInputError
+from sim.traces import DEFAULT_CACHE_BLOCKS
 from sim.workload import Workload, load_trace, synthetic
 
 
 DEFAULT_REQUESTS = 1000
 DEFAULT_RATE = 4.0
 DEFAULT_INPUT, DEFAULT_OUTPUT = "lognormal:7,0.8", "lognormal:5,0.8"
-DEFAULT_CACHE_BLOCKS = 65536           # 32 M tokens of prefix KV on the prefill side
 MAX_REQUESTS = 50_000_000
 MAX_RANKS = 1024
 

@@ -34,6 +34,7 @@ from sim.errors import SimInputError
 MAX_LINE = 1 << 20            # bytes per line; a longer one (or /dev/zero) is refused
 MAX_TOKENS = 10**7            # per request: beyond any model's context, and bounds the run
 BLOCK_TOKENS = 512            # Mooncake's hash_ids block size
+DEFAULT_CACHE_BLOCKS = 65536  # prefill-side prefix cache: 32 M tokens
 _DAYS_BEFORE_MONTH = (0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
 _DATETIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?"
                        r"(Z|[+-]\d\d:?\d\d)?")
@@ -229,7 +230,7 @@ def _csv_rows(fp: IO[str], path: str) -> tuple[str, Iterator[tuple[int, int, int
 
 
 def read_trace(path: str, limit: int | None = None, window_s: tuple[float, float] | None = None,
-               cache_blocks: int = 0) -> TraceRows:
+               cache_blocks: int = DEFAULT_CACHE_BLOCKS) -> TraceRows:
     """Stream ``path`` (format by content: JSON lines, else a CSV header), keeping the
     rows inside ``window_s`` (seconds from the first row, [start, end)) up to ``limit``
     of them; the prefix cache sees every row read (it warms up before the window)."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from sim.dists import Dist
 from sim.errors import SimInputError
-from sim.traces import MAX_TOKENS, read_trace
+from sim.traces import DEFAULT_CACHE_BLOCKS, MAX_TOKENS, read_trace
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _tokens(x: np.ndarray, flag: str) -> np.ndarray:
 
 
 def load_trace(path: str, limit: int | None = None, window_s: tuple[float, float] | None = None,
-               cache_blocks: int = 0, time_scale: float = 1.0, target_rate: float | None = None
+               cache_blocks: int = DEFAULT_CACHE_BLOCKS, time_scale: float = 1.0, target_rate: float | None = None
                ) -> Workload:
     """A published trace (sim/traces.py) as a Workload: ``limit`` requests at most (the
     replay is whole by default), inside ``window_s``, inter-arrival times multiplied by
