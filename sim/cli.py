@@ -13,6 +13,7 @@ from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.engine import RunData, Simulation, resolve_variant, trace_name
+from sim.hazard import HAZARD_COLUMNS, hazard_line, summarize_hazard
 from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
 from sim.results import divergence_line, dumps, step_note, summarize, table
@@ -29,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=positive_int, default=8, help="TP ranks of the decode worker")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--replications", type=positive_int, default=5,
-                   help="--compare: seeds seed..seed+R-1, for the confidence interval")
+                   help="--compare / --hazard: seeds seed..seed+R-1, for the confidence interval")
+    p.add_argument("--hazard", action="store_true",
+                   help="run each variant (--compare's, default all) until its first invariant "
+                        "break, --replications times: requests and seconds until the break")
     add_model_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -115,7 +119,32 @@ def _write(path: str, text: str, flag: str) -> None:
         raise SimInputError(f"{flag}: cannot write {path}: {exc.strerror}") from None
 
 
+def _hazard(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """--hazard: each variant's first break over --replications independent seeds."""
+    runs: dict[str, list[RunData]] = {n: [] for n in names}
+    workload = None
+    for rep in range(args.replications):
+        if rep == 0 or not args.trace_in:
+            workload = build_workload(args, args.rate, args.seed + rep)
+        for n in names:
+            runs[n].append(simulate_one(args, n, args.seed + rep, None, False, True, workload))
+    rows = [row for n in names for row in summarize_hazard(n, runs[n])]
+    print(table(rows, HAZARD_COLUMNS))
+    for row in rows:
+        print(hazard_line(row, len(workload)))
+    print(step_note(runs[names[0]][0]))
+    if args.plot:
+        from sim.outputs import write_hazard_plot
+        print(f"wrote {write_hazard_plot(args.plot, runs, len(workload))}")
+    out = {"hazard": rows, "requests": len(workload), "workload": workload.source}
+    if args.json:
+        _write(args.json, dumps(out), "--json")
+    return out
+
+
 def execute(args: argparse.Namespace) -> dict[str, Any]:
+    if args.hazard and not args.compare:
+        args.compare = ",".join(VARIANTS)
     names = _variants(args)
     several = args.compare is not None
     reps = args.replications if several else 1
@@ -123,6 +152,10 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     check_outputs(args, names)
     for n in names:     # bad flags are refused before any trace is read or run started
         build_config(args, n, args.ranks, args.metadata_lag, args.seed, several)
+    if args.hazard:
+        if args.trace or args.perfetto:
+            raise SimInputError("--hazard: writes no --trace or --perfetto (run one variant for those)")
+        return _hazard(args, names)
     runs: dict[str, list[RunData]] = {n: [] for n in names + ([IDEAL] if several else [])}
     for rep in range(reps):
         # a replay is read once (it does not depend on the seed); synthetic load per seed
@@ -179,7 +212,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         write_perfetto(args.perfetto, firsts)
     if args.plot:
         from sim.outputs import write_plots
-        for path in write_plots(args.plot, firsts):
+        for path in write_plots(args.plot, firsts, runs[IDEAL][0] if several else None):
             print(f"wrote {path}")
     if args.json:
         _write(args.json, dumps(out), "--json")

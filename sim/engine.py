@@ -150,10 +150,13 @@ class RunData:
 
 class Simulation:
     def __init__(self, cfg: SimConfig, workload: Workload, trace: TraceWriter | None = None,
-                 record_spans: bool = False, draws: Draws | None = None, eager: bool = False):
+                 record_spans: bool = False, draws: Draws | None = None, eager: bool = False,
+                 wall_limit_s: float | None = None):
         """``eager``: every environment batch and every scheduler step is its own SimPy
         event (always so with a trace, whose records are then in time order); otherwise
-        the same run with far fewer SimPy events (see _drain and _scheduler)."""
+        the same run with far fewer SimPy events (see _drain and _scheduler).
+        ``wall_limit_s``: stop (cut short) after that many wall seconds (a sweep's
+        --cell-timeout, which works in any process or thread)."""
         self.cfg = cfg.validate()
         self.variant = resolve_variant(cfg)
         self.wl = workload
@@ -196,6 +199,7 @@ class Simulation:
         self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
         self.end_ms = 0.0
         self.cut_short: str | None = None      # why the run stopped before every request was decided
+        self.wall_limit_s = wall_limit_s
         self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
 
     # -- environment events ------------------------------------------------------------
@@ -477,13 +481,15 @@ class Simulation:
         limit_ms = cfg.max_sim_s * 1000.0
         # protocol steps bound the work (decode steps are bounded by the output tokens)
         max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
+        deadline = None if self.wall_limit_s is None else time.perf_counter() + self.wall_limit_s
         while self.decided < n:
-            if t > limit_ms or state.steps >= max_steps:
-                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after "
-                                  f"{state.steps} protocol steps with "
-                                  f"{n - self.decided} request(s) undecided: "
-                                  + ("--max-sim-seconds" if t > limit_ms else "--max-steps")
-                                  + " reached (raise it to go on)")
+            if t > limit_ms or state.steps >= max_steps or (
+                    deadline is not None and not state.steps & 1023 and time.perf_counter() > deadline):
+                bound = ("--max-sim-seconds" if t > limit_ms else "--max-steps"
+                         if state.steps >= max_steps else f"--cell-timeout ({self.wall_limit_s:g} s)")
+                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after {state.steps} "
+                                  f"protocol steps with {n - self.decided} request(s) undecided: "
+                                  f"{bound} reached (raise it to go on)")
                 break
             if eager or env.peek() <= t:
                 yield from self._catch_up(t)
