@@ -120,17 +120,21 @@ def write_sweep_plot(directory: str, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r.get("rate") not in (None, "") and r.get("ttft_p99_ms") not in (None, ""):
             lines.setdefault((r["variant"], r["ranks"], r["metadata_lag"]), []).append(r)
-    for (variant, ranks, lag), rs in lines.items():
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]   # overlapping lines stay visible
+    for j, ((variant, ranks, lag), rs) in enumerate(lines.items()):
         rs.sort(key=lambda r: float(r["rate"]))
         x = [float(r["rate"]) for r in rs]
         y = [float(r["ttft_p99_ms"]) for r in rs]
-        (line,) = ax.plot(x, y, marker="o", label=f"{variant}, {ranks} ranks, lag {lag}")
+        marker, style = styles[j % len(styles)]
+        (line,) = ax.plot(x, y, marker=marker, linestyle=style, markerfacecolor="none",
+                          label=f"{variant}, {ranks} ranks, lag {lag}")
         bad = [(a, b) for a, b, r in zip(x, y, rs) if str(r["diverged"]) == "True"]
         if bad:
             ax.scatter(*zip(*bad), marker="x", s=80, color=line.get_color())
     ax.set_xlabel("arrival rate (requests/s)")
-    ax.set_ylabel("TTFT p99 (ms)")
-    ax.set_title("TTFT p99 vs rate (x: diverged)")
+    ax.set_ylabel("TTFT p99 (ms, log scale)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT p99 vs rate (x: diverged, TTFT of the requests before the break)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     return _save(fig, directory, "ttft_p99_vs_rate.png")

@@ -41,8 +41,8 @@ def test_capacity_search_brackets_the_target(tmp_path, capsys):
     p = argparse.ArgumentParser()
     sweep.add_arguments(p)
     args = p.parse_args(argv)
-    assert sweep._simulate(args, "gate", 4, "exp:0.3", cap)["ttft_p99_ms"] <= 600
-    assert sweep._simulate(args, "gate", 4, "exp:0.3", hi)["ttft_p99_ms"] > 600
+    assert sweep._simulate(args, "gate", 4, "exp:0.3", cap)[0]["ttft_p99_ms"] <= 600
+    assert sweep._simulate(args, "gate", 4, "exp:0.3", hi)[0]["ttft_p99_ms"] > 600
 
 
 @pytest.mark.parametrize("argv,flag", [(["--rate", "0"], "--rate"), (["--ranks", "0,2"], "--ranks"),
