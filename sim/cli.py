@@ -142,7 +142,12 @@ def _hazard(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     return out
 
 
+MAX_REPLICATIONS = 10_000
+
+
 def execute(args: argparse.Namespace) -> dict[str, Any]:
+    if args.replications > MAX_REPLICATIONS:
+        raise SimInputError(f"--replications: at most {MAX_REPLICATIONS}, got {args.replications}")
     if args.hazard and not args.compare:
         args.compare = ",".join(VARIANTS)
     names = _variants(args)

@@ -236,7 +236,14 @@ def params_key(args: argparse.Namespace) -> str:
     return hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:12]
 
 
+MAX_JOBS, MAX_ITERS, MAX_REPLICATIONS = 1024, 64, 10_000
+
+
 def _check(args: argparse.Namespace) -> list[str]:
+    for flag, val, cap in (("--jobs", args.jobs, MAX_JOBS), ("--capacity-iters", args.capacity_iters, MAX_ITERS),
+                           ("--replications", args.replications, MAX_REPLICATIONS)):
+        if val > cap:
+            raise SimInputError(f"{flag}: at most {cap}, got {val}")
     variants = [v.strip() for v in args.variant.split(",") if v.strip()]
     for v in variants or [""]:
         if v not in VARIANTS:

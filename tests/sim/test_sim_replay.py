@@ -227,3 +227,34 @@ def test_a_line_without_newline_is_cut_at_the_cap(tmp_path, capsys):
     path.write_text("{" + " " * (2 << 20))
     rc, _, err = _run(capsys, "simulate", "--trace-in", str(path), "--ranks", "2")
     assert rc == 2 and "longer than" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--metadata-lag", "const:1e308"], "--metadata-lag"),
+    (["--metadata-lag", "lognormal:1e6,1"], "--metadata-lag"),
+    (["--metadata-lag", "pareto:0.01,1"], "--metadata-lag"),
+    (["--stall", "0:0:1e300"], "--stall"),
+    (["--kv-bytes-per-token", "100000000000000000000000"], "--kv-bytes-per-token"),
+    (["--allreduce-alpha", "1e308"], "--allreduce-alpha"),
+    (["--requests", "1000000000000"], "--requests"),
+    (["--ranks", "8193"], "--ranks"),
+    (["--input-len", "const:1e15"], "--input-len"),
+    (["--rate", "nan"], "--rate"), (["--forward", "const:inf"], "--forward"),
+    (["--slots", "1000000000"], "--slots"),
+    (["--metadata-lag", "empirical:/dev/zero"], "--metadata-lag"),
+    (["--trace-in", "/dev/zero"], "--trace-in"),
+    (["--json", "/nonexistent/dir/s.json"], "--json"), (["--plot", "/dev/null"], "--plot"),
+    (["--perfetto", "/nonexistent/p.json"], "--perfetto"), (["--trace", "/"], "--trace"),
+])
+def test_runs_that_would_not_end_or_fit_are_refused_up_front(capsys, argv, flag):
+    rc, out, err = _run(capsys, "simulate", "--requests", "50", *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and flag in lines[0] and "Traceback" not in err
+    assert "variant" not in out          # refused before any run
+
+
+def test_a_run_past_its_step_bound_stops_with_one_line(capsys):
+    rc, out, err = _run(capsys, "simulate", "--requests", "5", "--ranks", "2",
+                        "--metadata-lag", "const:1e7", "--max-steps", "2000")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "--max-steps reached" in lines[0]
