@@ -6,8 +6,9 @@ walks of every variant). It computes the gate and the MIN request by request ove
 ranks with the kernel's tables (``kernel.gate_table`` / ``pop_table``), instead of one
 list per rank and a ``min_reduce`` over them, and it does no per-rank work beyond the
 age count when the MIN keeps every request (most steps). Whenever the ranks' queues
-differ (a divergence in the making) or a request pops, the rank-by-rank code of
-machine.py does the work, so the pop rules have one implementation.
+differ (a divergence in the making), machine.py does the step; when a request pops,
+each rank decides with the kernel's pop table and releases the slot with machine.py's
+``_release``, so the release rules have one implementation.
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
@@ -20,8 +21,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
-from model.spec.machine import (EventNotEnabled, StepPops, _land, _latch, _pop, _require_live, _tables, _writes_done,
-                                apply)
+from model.spec.kernel import Decision
+from model.spec.machine import (EventNotEnabled, StepPops, _land, _latch, _release, _require_live,
+                                _tables, _writes_done, apply)
 from model.spec.kvpoll import KVPoll
 from model.spec.state import PAYLOAD_BIT, ROOM_BIT, SystemState
 
@@ -71,7 +73,7 @@ def step_pops(state: SystemState) -> StepPops:
     step_no = state.steps
     state.steps += 1
     if popping:
-        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks))
+        return StepPops(step_no, tuple(_pop_rank(state, rs, reduced, pop, keeps) for rs in ranks))
     for rs in ranks:                     # _pop's every-request-kept case
         age = rs.age
         for r in queue:
@@ -80,6 +82,31 @@ def step_pops(state: SystemState) -> StepPops:
     if empty is None:
         empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
     return StepPops(step_no, empty)
+
+
+def _pop_rank(state: SystemState, rs, reduced: list[int], pop: tuple, keeps: tuple
+              ) -> tuple[tuple[int, int, int], ...]:
+    """machine._pop on one rank, minus the table lookup for requests whose reduced value
+    keeps them whatever the rooms (most of a long queue); the slot release is machine's."""
+    age, room_at, slot_of, requests = rs.age, rs.room_at, rs.slot_of, state.requests
+    kept: list[int] = []
+    popped: list[tuple[int, int, int]] = []
+    for red, r in zip(reduced, rs.queue):
+        if not keeps[red]:
+            slot = slot_of[r]
+            seen, expected = room_at[slot], requests[r].room
+            d = pop[red * 8 + ((seen == 0) | (seen == expected) << 1 | (expected == 0) << 2)]
+            if d is not Decision.KEEP:
+                popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
+                continue
+        kept.append(r)
+        age[r] += 1
+    rs.queue = kept          # a new list, as machine._pop
+    for r, d, payload in popped:
+        del rs.recv[r], age[r]
+        rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
+        _release(state, rs, r)
+    return tuple(popped)
 
 
 # deliver()'s event kinds (code = kind * ranks + rank)
