@@ -178,9 +178,9 @@ class Simulation:
         self.in_pool = 0
         self.peak_in_flight = 0
         self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
-        self.prefills: list[tuple[float, int]] = []   # (prefill done, request)
-        self.prefill_next: float | None = None
-        self.pending = 1          # arrivals still to come + scheduled callbacks
+        # (arrived is counted lazily, by _finish)
+        self.arrivals: list[float] = workload.arrival_ms.tolist()
+        self.pending = 1          # prefill completions still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
         self.since_poll = 0       # environment events since the last protocol step
@@ -215,37 +215,45 @@ class Simulation:
             for ev in events:
                 self.trace.event(ev, now)
 
-    def _arrivals(self):
-        env, wl = self.env, self.wl
+    def _prefill_plan(self) -> list[tuple[float, int]]:
+        """(prefill done, request) in completion order. Prefill depends on nothing the
+        decode side does (FIFO servers, fixed durations), so it is planned up front and
+        SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        for i in range(len(wl)):
-            t = float(wl.arrival_ms[i])
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            done = max(env.now, heapq.heappop(servers)) + float(self.d.prefill_ms[i])
+        plan = []
+        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
+            done = max(t, heapq.heappop(servers)) + dur
             heapq.heappush(servers, done)
-            self.arrived += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.arrived - self.finished)
-            heapq.heappush(self.prefills, (done, i))
-            self._wake_prefills()
-        self._settle()
+            plan.append((done, i))
+        plan.sort()
+        return plan
 
-    def _wake_prefills(self) -> None:
-        """One pending SimPy event for the earliest prefill completion (not one per request)."""
-        head = self.prefills[0][0] if self.prefills else None
-        if head is not None and (self.prefill_next is None or head < self.prefill_next):
-            self.prefill_next = head
-            self.pending += 1
-            _At(self.env, head - self.env.now, self._prefilled, head)
-
-    def _prefilled(self, target: float) -> None:
-        if self.prefill_next == target:
-            self.prefill_next = None
-        while self.prefills and self.prefills[0][0] <= target:
-            self.prealloc.append(heapq.heappop(self.prefills)[1])
-        self._wake_prefills()
+    def _prefilled(self, pos: int) -> None:
+        """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
+        plan, now = self.plan, self.plan[pos][0]
+        while pos < len(plan) and plan[pos][0] <= now:
+            self.prealloc.append(plan[pos][1])
+            pos += 1
+        if pos < len(plan):
+            _At(self.env, plan[pos][0] - self.env.now, self._prefilled, pos)
         self._admit(self.env.now)
-        self._settle()
+        if pos == len(plan):
+            self._settle()
+
+    def _finish(self, now: float) -> None:
+        """A request is done (decoded or aborted)."""
+        self._in_flight_peak(now)
+        self.finished += 1
+
+    def _in_flight_peak(self, now: float) -> None:
+        """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
+        a finish, so its peak is reached just before one (or at the end of the run)."""
+        arrivals, k = self.arrivals, self.arrived
+        while k < len(arrivals) and arrivals[k] <= now:
+            k += 1
+        self.arrived = k
+        if k - self.finished > self.peak_in_flight:
+            self.peak_in_flight = k - self.finished
 
     def _admit(self, now: float) -> None:
         """Enqueue waiting requests (at simulated time ``now``) while the pool and every
@@ -536,7 +544,7 @@ class Simulation:
                 while running and running[0][0] <= self.decode_steps:
                     heapq.heappop(running)
                     self.in_pool -= 1
-                    self.finished += 1
+                    self._finish(t)
                 if self.prealloc:
                     self._admit(t)
                 t += forward.next() if running else idle.next()
@@ -558,7 +566,7 @@ class Simulation:
                 heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
             else:
                 self.in_pool -= 1
-                self.finished += 1
+                self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
         self.to_forget.extend(r for r, _, _ in popped[0])
@@ -585,11 +593,16 @@ class Simulation:
 
     def run(self) -> RunData:
         env = self.env
-        env.process(self._arrivals())
+        self.plan = self._prefill_plan()
+        if self.plan:
+            _At(env, self.plan[0][0], self._prefilled, 0)
+        else:
+            self._settle()
         proc = env.process(self._scheduler())
         t0 = time.perf_counter()
         env.run(until=proc)
         wall = time.perf_counter() - t0
+        self._in_flight_peak(self.end_ms)
         if self.trace is not None:
             if self.divergence is not None:
                 self.trace.violation(self.divergence.violation, self.divergence.step)
