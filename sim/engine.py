@@ -29,8 +29,8 @@ from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, deli
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, apply, fail, forget, kv_done,
-                                land)
+from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, fail, forget,
+                                kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -258,11 +258,10 @@ class Simulation:
     def _admit(self, now: float) -> None:
         """Enqueue waiting requests (at simulated time ``now``) while the pool and every
         rank's free list have room."""
-        ranks, prealloc, pool = self.state.ranks, self.prealloc, self.cfg.request_pool
+        state, prealloc, pool = self.state, self.prealloc, self.cfg.request_pool
         while prealloc and self.in_pool < pool:
-            for rs in ranks:        # a loop, not all(): this runs after every delivery
-                if not rs.free:
-                    return
+            if not admitting(state):      # the spec's admission rule (agreed, or per rank)
+                return
             self._enqueue(prealloc.popleft(), now)
 
     def _shift_stalls(self, k: int, t: float) -> float:
@@ -321,6 +320,12 @@ class Simulation:
             self.write_end[i] = now + last[j]
             if d.fail_rank[i] < 0:
                 self.kv_all_ms[i] = now + kv_max[j]
+        ranks = self.state.ranks
+        if any(i not in rs.recv for rs in ranks):     # local admission left some ranks out
+            keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
+            tl = _Timeline(i, [tl.times[j] for j in keep], [tl.codes[j] for j in keep])
+            if not keep:
+                return
         if self.eager:
             self._schedule(tl)
         else:
@@ -404,7 +409,11 @@ class Simulation:
         tl.pos = pos
 
     def _timeline(self, tl: _Timeline) -> None:
-        """The SimPy callback of a scheduled timeline: one batch, then the next."""
+        """The SimPy callback of a scheduled timeline: one batch, then the next. A
+        request that left the queue may still write into a slot that now has a new,
+        queued tenant, whose own writes wait in the heap: those due first land first."""
+        if self.lazy:
+            self._drain(self.env.now)
         self._deliver(tl, -math.inf)
         if tl.pos < len(tl.times):
             tl.due.again(tl.times[tl.pos] - self.env.now)
@@ -417,8 +426,9 @@ class Simulation:
         """Deliver every waiting event of the queued requests due at or before ``now``.
         Exact: until a request leaves the queue, its KV and metadata events change only
         its own receiver, row and landed bits, which nothing reads before the next
-        protocol step (admission reads the free lists, which they cannot change); and
-        events of different requests commute."""
+        protocol step (admission reads the free lists, which they cannot change); events
+        of different queued requests commute; and a late write of a request that left
+        (which may hit a reused slot) drains the heap up to its own time first."""
         heap = self.lazy
         while heap and heap[0][0] <= now:
             tl = heapq.heappop(heap)[2]

@@ -6,9 +6,9 @@ walks of every variant). It computes the gate and the MIN request by request ove
 ranks with the kernel's tables (``kernel.gate_table`` / ``pop_table``), instead of one
 list per rank and a ``min_reduce`` over them, and it does no per-rank work beyond the
 age count when the MIN keeps every request (most steps). Whenever the ranks' queues
-differ (a divergence in the making), machine.py does the step; when a request pops,
-each rank decides with the kernel's pop table and releases the slot with machine.py's
-``_release``, so the release rules have one implementation.
+differ (a divergence in the making, or local admission) or the variant defers slot
+releases, machine.py does the step, and when a request pops machine.py's per-rank
+``_pop`` decides and releases, so the pop and release rules have one implementation.
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
-from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, _land, _latch, _release, _require_live,
-                                _tables, _writes_done, apply)
+from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
+                                _require_live, _tables, _writes_done, apply)
 from model.spec.kvpoll import KVPoll
 from model.spec.state import PAYLOAD_BIT, ROOM_BIT, SystemState
+from model.spec.variants import Deferral
 
 _STEP = Step()
 _NO_POPS: dict[int, tuple[tuple, ...]] = {}     # ranks -> ((),) * ranks
@@ -46,6 +46,8 @@ def step_pops(state: SystemState) -> StepPops:
     """One protocol step on every rank; ``apply(state, Step(), detail=False)``."""
     ranks = state.ranks
     queue = ranks[0].queue
+    if state.variant.defer_failed is not Deferral.NONE:   # held slots count steps: general code
+        return apply(state, _STEP, detail=False)
     for rs in ranks:
         if rs.queue != queue:            # a MIN over different requests: the general code
             return apply(state, _STEP, detail=False)
@@ -73,45 +75,22 @@ def step_pops(state: SystemState) -> StepPops:
     step_no = state.steps
     state.steps += 1
     if popping:
-        return StepPops(step_no, tuple(_pop_rank(state, rs, reduced, pop, keeps) for rs in ranks))
+        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks))
     for rs in ranks:                     # _pop's every-request-kept case
         age = rs.age
-        for r in queue:
-            age[r] += 1
+        for red, r in zip(reduced, queue):
+            if red >= _AGES_FROM:
+                age[r] += 1
     empty = _NO_POPS.get(len(ranks))
     if empty is None:
         empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
     return StepPops(step_no, empty)
 
 
-def _pop_rank(state: SystemState, rs, reduced: list[int], pop: tuple, keeps: tuple
-              ) -> tuple[tuple[int, int, int], ...]:
-    """machine._pop on one rank, minus the table lookup for requests whose reduced value
-    keeps them whatever the rooms (most of a long queue); the slot release is machine's."""
-    age, room_at, slot_of, requests = rs.age, rs.room_at, rs.slot_of, state.requests
-    kept: list[int] = []
-    popped: list[tuple[int, int, int]] = []
-    for red, r in zip(reduced, rs.queue):
-        if not keeps[red]:
-            slot = slot_of[r]
-            seen, expected = room_at[slot], requests[r].room
-            d = pop[red * 8 + ((seen == 0) | (seen == expected) << 1 | (expected == 0) << 2)]
-            if d is not Decision.KEEP:
-                popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
-                continue
-        kept.append(r)
-        age[r] += 1
-    rs.queue = kept          # a new list, as machine._pop
-    for r, d, payload in popped:
-        del rs.recv[r], age[r]
-        rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
-        _release(state, rs, r)
-    return tuple(popped)
-
-
 # deliver()'s event kinds (code = kind * ranks + rank)
 KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS = range(4)
 _LATCH = (int(KVPoll.Success), int(KVPoll.Failed))
+_SUCCESS, _FAILED = _LATCH
 _WHAT = ("kv_done", "fail")
 
 
@@ -134,7 +113,8 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
         if kind < PAYLOAD_LANDS:
             recv = rs.recv
             current = recv.get(req)
-            if current is None or current in _LATCH:
+            # machine._latch's rule: latched, except a Failed overrides a Success
+            if current is None or current == _FAILED or (current == _SUCCESS and kind == KV_DONE):
                 _latch(state, k, req, _LATCH[kind], _WHAT[kind])   # raises the refusal
                 continue
             recv[req] = _LATCH[kind]

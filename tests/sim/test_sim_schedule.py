@@ -17,6 +17,9 @@ CASES = [
     dict(variant="ungated", ranks=8, lag="exp:3"),
     dict(variant="gate-noclear", ranks=2, fail_prob=0.2, late_write="exp:50"),
     dict(variant="gate", ranks=8, forward="const:5", idle_step="exp:1", kv_jitter="exp:2"),
+    # local admission under slot pressure (the queues come to differ) and deferred release
+    dict(variant="deferred-local", ranks=4, request_pool=8, slots=3, fail_prob=0.2, late_write="exp:50"),
+    dict(variant="deferred", ranks=4, request_pool=8, slots=3, fail_prob=0.2, late_write="exp:50"),
 ]
 
 
