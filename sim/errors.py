@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -17,23 +17,30 @@ class SimCutShort(Exception):
 
 
 def check_writable(path: str | None, flag: str, directory: bool = False) -> None:
-    """Refuse, before any work, an output path that could not be written."""
+    """Refuse, before any work, an output path that could not be written: probed by
+    opening it (an existing file in append mode, so it is left as it is; a new one is
+    created and removed), because permission bits say nothing to root or about /proc."""
     if path is None:
         return
     target = Path(path)
-    if directory:
-        probe = target if target.exists() else target.parent
-        if target.exists() and not target.is_dir():
-            raise SimInputError(f"{flag}: {path} exists and is not a directory")
-    else:
-        if target.is_dir():
+    try:
+        if directory:
+            if target.exists() and not target.is_dir():
+                raise SimInputError(f"{flag}: {path} exists and is not a directory")
+            made = not target.exists()
+            target.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=target).close()
+            if made:
+                target.rmdir()
+        elif target.is_dir():
             raise SimInputError(f"{flag}: {path} is a directory")
-        probe = target if target.exists() else target.parent
-    probe = probe if str(probe) else Path(".")
-    if not probe.exists():
-        raise SimInputError(f"{flag}: cannot write {path}: {probe} does not exist")
-    if not os.access(probe, os.W_OK | (os.X_OK if probe.is_dir() else 0)):
-        raise SimInputError(f"{flag}: cannot write {path}: permission denied")
+        elif target.exists():
+            open(target, "a").close()
+        else:
+            open(target, "x").close()
+            target.unlink()
+    except OSError as exc:
+        raise SimInputError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def run_reporting(prog: str, execute: Callable[[argparse.Namespace], object],

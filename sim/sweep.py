@@ -26,6 +26,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from model.spec.variants import VARIANTS
+from sim.draws import draw
 from sim.engine import Simulation
 from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.hazard import HAZARD_COLUMNS, summarize_hazard
@@ -161,19 +162,23 @@ def _cell(job: tuple) -> tuple[tuple, list[dict]]:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A progress bar on stderr: redrawn in place on a terminal; elsewhere (a log, a
+    pipe) only the finished bar, one line."""
 
     def __init__(self, total: int, stream: Any = None):
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
         self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def tick(self) -> None:
         self.done += 1
+        if not self.tty and self.done < self.total:
+            return
         width = 30
         filled = width * self.done // max(self.total, 1)
         elapsed = time.perf_counter() - self.t0
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                          f"cells, {elapsed:.1f} s")
+        self.stream.write(f"{chr(13) if self.tty else ''}[{'#' * filled}{'.' * (width - filled)}] "
+                          f"{self.done}/{self.total} cells, {elapsed:.1f} s")
         if self.done == self.total:
             self.stream.write("\n")
         self.stream.flush()
@@ -261,11 +266,14 @@ def _check(args: argparse.Namespace) -> list[str]:
         raise SimInputError("--plot: draws the grid's TTFT p99 vs rate (not --capacity or --hazard)")
     check_writable(args.out, "--out")
     check_writable(args.plot, "--plot", directory=True)
-    # fail fast on bad strings before starting processes
+    # fail fast on bad strings and unbounded draws before starting processes (the
+    # fewest ranks carry the most bytes per rank)
     for lag in args.metadata_lag:
         for r in args.ranks:
             build_config(args, variants[0], r, [lag], args.seed, several=True)
-    build_workload(args, (args.rate or [None])[0], args.seed)
+    workload = build_workload(args, (args.rate or [None])[0], args.seed)
+    for lag in args.metadata_lag:
+        draw(build_config(args, variants[0], min(args.ranks), [lag], args.seed, several=True), workload)
     return variants
 
 

@@ -62,7 +62,9 @@ def test_cell_timeout_is_honoured_with_one_job_and_one_cell(tmp_path, capsys):
 @pytest.mark.parametrize("argv,flag", [
     (["--rate", "nan"], "--rate"), (["--rate", "inf"], "--rate"), (["--ranks", "8193"], "--ranks"),
     (["--address", "tcp://127.0.0.1:1"], "--address"),
-    (["--out", "/nonexistent/dir/x.csv"], "--out"),
+    (["--out", "/nonexistent/dir/x.csv"], "--out"), (["--out", "/proc/x.csv"], "--out"),
+    (["--plot", "/proc/x"], "--plot"), (["--ranks", "100000", "--rate", "1"], "--ranks"),
+    (["--metadata-lag", "const:1e308", "--cell-timeout", "2", "--jobs", "1"], "--metadata-lag"),
 ])
 def test_sweep_bad_flags_are_one_line(capsys, argv, flag, tmp_path):
     if "--out" not in argv:
