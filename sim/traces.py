@@ -107,6 +107,11 @@ def _seconds_ns(text: str, where: str, name: str) -> int:
 
 def _count(value: object, where: str, name: str, hi: int = MAX_TOKENS) -> int:
     """A non-negative integer count (ints, or integral floats/strings) up to ``hi``."""
+    if type(value) is int and 0 <= value <= hi:       # the common cases, fast
+        return value
+    if type(value) is str and value.isascii() and value.isdigit() and len(value) < 10 \
+            and int(value) <= hi:
+        return int(value)
     if isinstance(value, str):
         text = value.strip()
         if len(text) > 30:
@@ -158,13 +163,14 @@ class PrefixCache:
             if h not in lru:
                 break
             hits += 1
+        touch = lru.move_to_end
         for h in hash_ids:
             if h in lru:
-                lru.move_to_end(h)
+                touch(h)
             else:
                 lru[h] = None
-                if len(lru) > self.capacity:
-                    lru.popitem(last=False)
+        while len(lru) > self.capacity:       # least recently used first
+            lru.popitem(last=False)
         return hits
 
 
@@ -185,8 +191,8 @@ def _mooncake_rows(fp: IO[str], path: str) -> Iterator[tuple[int, int, int, list
                 raise SimInputError(f"{where}: missing {key!r}")
         t_ms = _count(obj["timestamp"], where, "timestamp", 10**15)
         hashes = obj.get("hash_ids")
-        if hashes is not None and (not isinstance(hashes, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in hashes)):
+        if hashes is not None and (not isinstance(hashes, list) or (hashes and (
+                not set(map(type, hashes)) <= {int} or min(hashes) < 0 or max(hashes) >= 2**63))):
             raise SimInputError(f"{where}: hash_ids must be a list of non-negative integers")
         yield (t_ms * 10**6, _count(obj["input_length"], where, "input_length"),
                _count(obj["output_length"], where, "output_length"), hashes, n)
