@@ -25,7 +25,7 @@ import numpy as np
 import simpy
 from simpy.events import URGENT, Event
 
-from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, deliver, step_pops
+from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
@@ -495,6 +495,7 @@ class Simulation:
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
         eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        stepper = Stepper(state)
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
         # protocol steps bound the work (decode steps are bounded by the output tokens)
@@ -525,7 +526,8 @@ class Simulation:
                 s = t
                 if self.lazy:
                     self._drain(s)
-                rec = apply(state, _STEP) if detail else step_pops(state)
+                # quiet: no event since the last step (every delivery counts in since_poll)
+                rec = apply(state, _STEP) if detail else stepper.step(self.since_poll == 0)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)

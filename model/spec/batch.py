@@ -44,13 +44,19 @@ def _tables_of(v) -> tuple:
 
 def step_pops(state: SystemState) -> StepPops:
     """One protocol step on every rank; ``apply(state, Step(), detail=False)``."""
+    return _step(state)[0]
+
+
+def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
+    """step_pops, and the reduced values when every rank's queue was the same and every
+    request was kept (else None)."""
     ranks = state.ranks
     queue = ranks[0].queue
     if state.variant.defer_failed is not Deferral.NONE:   # held slots count steps: general code
-        return apply(state, _STEP, detail=False)
+        return apply(state, _STEP, detail=False), None
     for rs in ranks:
         if rs.queue != queue:            # a MIN over different requests: the general code
-            return apply(state, _STEP, detail=False)
+            return apply(state, _STEP, detail=False), None
     _require_live(state)
     gate, pop, keeps = _tables_of(state.variant)
     timeout = state.variant.timeout_steps
@@ -75,8 +81,14 @@ def step_pops(state: SystemState) -> StepPops:
     step_no = state.steps
     state.steps += 1
     if popping:
-        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks))
-    for rs in ranks:                     # _pop's every-request-kept case
+        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks)), None
+    return _all_kept(state, queue, reduced, step_no), reduced
+
+
+def _all_kept(state: SystemState, queue: list[int], reduced: list[int], step_no: int) -> StepPops:
+    """_pop's every-request-kept case on every rank: only the ages move."""
+    ranks = state.ranks
+    for rs in ranks:
         age = rs.age
         for red, r in zip(reduced, queue):
             if red >= _AGES_FROM:
@@ -85,6 +97,33 @@ def step_pops(state: SystemState) -> StepPops:
     if empty is None:
         empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
     return StepPops(step_no, empty)
+
+
+class Stepper:
+    """``step_pops`` for a driver that knows when no event happened between two steps
+    (the simulator counts every delivery). After a step that kept every request with
+    every rank's queue the same, a step with no event in between finds the same
+    receivers, rows and queues, so it reduces to the same values and keeps every request
+    again: only the ages move, and strict's timeout is checked on them (a request whose
+    age reached it takes the full step). ``quiet=False`` always takes the full step."""
+
+    def __init__(self, state: SystemState):
+        self.state = state
+        self._kept: tuple[list[int], int, list[int]] | None = None   # queue, its length, reduced
+
+    def step(self, quiet: bool) -> StepPops:
+        state, kept = self.state, self._kept
+        if quiet and kept is not None and state.hung is None:
+            queue, n, reduced = kept
+            timeout = state.variant.timeout_steps
+            if state.ranks[0].queue is queue and len(queue) == n and (
+                    timeout is None or all(rs.age[r] < timeout for rs in state.ranks for r in queue)):
+                step_no = state.steps
+                state.steps += 1
+                return _all_kept(state, queue, reduced, step_no)
+        rec, reduced = _step(state)
+        self._kept = None if reduced is None else (state.ranks[0].queue, len(reduced), reduced)
+        return rec
 
 
 # deliver()'s event kinds (code = kind * ranks + rank)

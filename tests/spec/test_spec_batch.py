@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, deliver, step_pops
-from model.spec.events import PAYLOAD, ROOM, Fail, KvDone, Land, Step
+from model.spec.batch import (KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver,
+                              step_pops)
+from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, KvDone, Land, Step
 from model.spec.machine import EventNotEnabled, StepPops, apply
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS, get_variant
@@ -44,6 +45,43 @@ def test_step_pops_matches_apply_step_for_step():
             assert fast.key() == ref.key() and fast.steps == ref.steps
     # the walks reach the popping, the all-kept and the differing-queue cases
     assert steps > 2000 and pops > 300 and differing >= 3
+
+
+def test_stepper_repeats_quiet_kept_steps_exactly():
+    """Stepper.step(quiet=True) right after a step (no event between) equals apply."""
+    rng = random.Random(13)
+    quiet_steps = 0
+    for _ in range(300):
+        ref = initial_state(rng.choice(ALL), rng.randint(1, 4), rng.randint(1, 3))
+        fast = ref.copy()
+        stepper = Stepper(fast)
+        previous_was_step = False
+        for ev, _ in random_walk(rng, ref, 60):
+            if isinstance(ev, Step):
+                want = _step(lambda s: apply(s, ev, detail=False), ref)
+                got = _step(lambda s: stepper.step(quiet=previous_was_step), fast)
+                quiet_steps += previous_was_step
+                assert got == want
+            else:
+                apply(ref, ev)
+                apply(fast, ev)
+            previous_was_step = isinstance(ev, Step)
+            assert fast.key() == ref.key() and fast.steps == ref.steps
+    assert quiet_steps > 300
+
+
+def test_stepper_must_not_be_told_quiet_after_an_event():
+    """The machinery can say no: promising quiet after a delivery repeats a stale step."""
+    state = initial_state(VARIANTS["gate"], 2, 2)
+    apply(state, Enqueue(1, 11, 5))
+    stepper = Stepper(state)
+    stepper.step(quiet=False)
+    for k in (0, 1):
+        apply(state, KvDone(k, 1))
+        apply(state, Land(k, 1, PAYLOAD))
+        apply(state, Land(k, 1, ROOM))
+    ref = state.copy()
+    assert apply(ref, Step(), detail=False).popped != stepper.step(quiet=True).popped
 
 
 def test_step_pops_refuses_a_hung_state_like_apply():
