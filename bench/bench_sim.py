@@ -82,7 +82,7 @@ def _hour(quick: bool) -> dict:
 
 
 def _traced_peak(cfg: SimConfig, wl) -> tuple:
-    draws = draw(cfg, wl)          # the up-front draws are per workload, not in flight
+    draws = draw(cfg, wl)          # the per-request draws (a few chunks kept) are not in flight
     gc.collect()
     tracemalloc.start()
     sim = Simulation(cfg, wl, draws=draws)

@@ -172,14 +172,15 @@ class Simulation:
         self.commit_ms = np.full(n, np.nan)
         self.kv_all_ms = np.full(n, np.nan)
         self.outcome = np.full(n, -1, dtype=np.int8)
-        self.write_end = np.full((n, T), -math.inf)
+        # aborted requests' last write per rank (base, offsets): for their fences
+        self.write_end: dict[int, tuple[float, Sequence[float]]] = {}
         self.prealloc: deque[int] = deque()
         self.running: list[tuple[int, int]] = []   # (finishing decode step, request)
         self.in_pool = 0
         self.peak_in_flight = 0
         self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
         # (arrived is counted lazily, by _finish)
-        self.arrivals: list[float] = workload.arrival_ms.tolist()
+        self.arrivals = workload.arrival_ms
         self.pending = 1          # prefill completions still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
@@ -215,29 +216,30 @@ class Simulation:
             for ev in events:
                 self.trace.event(ev, now)
 
-    def _prefill_plan(self) -> list[tuple[float, int]]:
-        """(prefill done, request) in completion order. Prefill depends on nothing the
-        decode side does (FIFO servers, fixed durations), so it is planned up front and
-        SimPy gets one event per completion instant, none per arrival."""
+    def _prefill_plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill completion times and requests, in completion order. Prefill depends
+        on nothing the decode side does (FIFO servers, fixed durations), so it is planned
+        up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        plan = []
-        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
-            done = max(t, heapq.heappop(servers)) + dur
-            heapq.heappush(servers, done)
-            plan.append((done, i))
-        plan.sort()
-        return plan
+        done = np.empty(len(self.wl))
+        for i, (t, dur) in enumerate(zip(self.arrivals.tolist(), self.d.prefill_ms.tolist())):
+            end = max(t, heapq.heappop(servers)) + dur
+            heapq.heappush(servers, end)
+            done[i] = end
+        order = np.argsort(done, kind="stable")
+        return done[order], order
 
     def _prefilled(self, pos: int) -> None:
         """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
-        plan, now = self.plan, self.plan[pos][0]
-        while pos < len(plan) and plan[pos][0] <= now:
-            self.prealloc.append(plan[pos][1])
-            pos += 1
-        if pos < len(plan):
-            _At(self.env, plan[pos][0] - self.env.now, self._prefilled, pos)
+        times, reqs = self.plan
+        now, end = times[pos], len(times)
+        stop = int(np.searchsorted(times, now, side="right"))
+        self.prealloc.extend(reqs[pos:stop].tolist())
+        pos = stop
+        if pos < end:
+            _At(self.env, float(times[pos]) - self.env.now, self._prefilled, pos)
         self._admit(self.env.now)
-        if pos == len(plan):
+        if pos == end:
             self._settle()
 
     def _finish(self, now: float) -> None:
@@ -248,10 +250,7 @@ class Simulation:
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        arrivals, k = self.arrivals, self.arrived
-        while k < len(arrivals) and arrivals[k] <= now:
-            k += 1
-        self.arrived = k
+        k = self.arrived = int(np.searchsorted(self.arrivals, now, side="right"))
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -280,14 +279,12 @@ class Simulation:
         cached = self.layouts.get(c)
         if cached is not None:
             return cached
-        d, T, lo = self.d, self.T, c * CHUNK
-        hi = min(lo + CHUNK, len(self.wl))
-        xfer, lag = d.xfer_ms[lo:hi], d.lag_ms[lo:hi]
-        fr = d.fail_rank[lo:hi]
+        ch, T = self.d.chunk(c), self.T
+        xfer, lag, fr = ch.xfer_ms, ch.lag_ms, ch.fail_rank
         failed = np.arange(T)[None, :] == fr[:, None]
-        extra = np.where(fr >= 0, d.late_ms[lo:hi], 0.0)
+        extra = np.where(fr >= 0, ch.late_ms, 0.0)
         land = xfer + lag + extra[:, None]
-        meta = ~(failed | d.lost[lo:hi])
+        meta = ~(failed | ch.lost)
         room = np.where(meta, land + self.room_rtt, np.inf)
         rel = np.concatenate([xfer, np.where(meta, land, np.inf), room], axis=1)
         k = np.arange(T)[None, :]
@@ -305,20 +302,19 @@ class Simulation:
         return out
 
     def _enqueue(self, i: int, now: float) -> None:
-        d = self.d
-        self._env_events([Enqueue(i, d.room[i], d.payload[i])], now)
+        ch, j = self.d.row(i)
+        self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
         self.in_pool += 1
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)
         else:
-            c, j = divmod(i, CHUNK)
-            rel, codes, count, last, kv_max = self._layout(c)
+            rel, codes, count, last, kv_max = self._layout(i // CHUNK)
             m = int(count[j])
             tl = _Timeline(i, (), ())
             tl.times.frombytes((now + rel[j, :m]).tobytes())
             tl.codes.frombytes(codes[j, :m].tobytes())
-            self.write_end[i] = now + last[j]
-            if d.fail_rank[i] < 0:
+            self.write_end[i] = (now, last[j].tolist())
+            if ch.fail_rank[j] < 0:
                 self.kv_all_ms[i] = now + kv_max[j]
         ranks = self.state.ranks
         if any(i not in rs.recv for rs in ranks):     # local admission left some ranks out
@@ -338,10 +334,10 @@ class Simulation:
     def _timeline_of(self, i: int, now: float) -> _Timeline:
         """Request ``i``'s timeline one event at a time: with stalls (which move events
         by their absolute time) or Perfetto spans to record."""
-        d, T, rtt = self.d, self.T, self.room_rtt
-        fr = int(d.fail_rank[i])
-        extra = float(d.late_ms[i]) if fr >= 0 else 0.0
-        xfer, lag, lost = d.xfer_ms[i].tolist(), d.lag_ms[i].tolist(), d.lost[i].tolist()
+        (ch, j), T, rtt = self.d.row(i), self.T, self.room_rtt
+        fr = int(ch.fail_rank[j])
+        extra = float(ch.late_ms[j]) if fr >= 0 else 0.0
+        xfer, lag, lost = ch.xfer_ms[j].tolist(), ch.lag_ms[j].tolist(), ch.lost[j].tolist()
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
@@ -359,7 +355,7 @@ class Simulation:
             if record:
                 self.spans.append(("kv", k, i, now, kv))
                 self.spans.append(("lag", k, i, kv, land + rtt))
-        self.write_end[i] = write_end
+        self.write_end[i] = (0.0, write_end)
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
@@ -461,9 +457,11 @@ class Simulation:
         k, i = key
         rs, now = self.state.ranks[k], self.env.now
         if i in rs.landed and i not in rs.fenced:
-            if self.write_end[i, k] >= now and rs.landed[i] != ALL_FIELDS:
+            base, last = self.write_end[i]
+            end = base + last[k]
+            if end >= now and rs.landed[i] != ALL_FIELDS:
                 # prefill acknowledges only once its writes are done: wait for them
-                _At(self.env, self.write_end[i, k] - now, self._fence, key)
+                _At(self.env, end - now, self._fence, key)
                 return
             self._env_events([Fence(k, i)], now)
             self._admit(now)    # the fence may have freed a quarantined slot
@@ -574,6 +572,7 @@ class Simulation:
             self.outcome[r] = dec
             self.decided += 1
             if dec == _COMMIT:
+                self.write_end.pop(r, None)      # a commit gets no fence
                 self.commit_ms[r] = now
                 heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
             else:
@@ -589,7 +588,8 @@ class Simulation:
             for r, dec, _ in rank_popped:
                 if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
                     self.pending += 1
-                    _At(self.env, now + float(d.fence_ms[r, k]) - self.env.now, self._fence, (k, r))
+                    ch, j = d.row(r)
+                    _At(self.env, now + float(ch.fence_ms[j, k]) - self.env.now, self._fence, (k, r))
         return len(popped[0])
 
     def _forget_done(self) -> None:
@@ -601,13 +601,14 @@ class Simulation:
                 keep.append(r)
             else:
                 forget(self.state, r)
+                self.write_end.pop(r, None)
         self.to_forget = keep
 
     def run(self) -> RunData:
         env = self.env
         self.plan = self._prefill_plan()
-        if self.plan:
-            _At(env, self.plan[0][0], self._prefilled, 0)
+        if len(self.plan[0]):
+            _At(env, float(self.plan[0][0]), self._prefilled, 0)
         else:
             self._settle()
         proc = env.process(self._scheduler())
