@@ -32,9 +32,12 @@ def first_break(run: RunData) -> dict[str, Any] | None:
 
 
 def _stat(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    """Mean and 95% interval; the lower bound clipped at 0 (counts and times are not
+    negative, and few breaks give a wide interval)."""
     if not values:
         return None, None, None
     m, lo, hi = mean_ci(values)
+    lo = max(lo, 0.0) if not math.isnan(lo) else lo
     r = lambda x: None if math.isnan(x) else round(x, 6)   # noqa: E731
     return r(m), r(lo), r(hi)
 
