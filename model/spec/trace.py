@@ -51,10 +51,13 @@ class TraceWriter:
     """Writes one trace. ``t`` (milliseconds, simulated or wall) is optional on any record."""
 
     def __init__(self, fp: IO[str], variant: str, ranks: int, slots: int, source: str,
-                 timeout_steps: int | None = None, **extra: Any):
+                 timeout_steps: int | None = None, release_timeout_steps: int | None = None,
+                 **extra: Any):
         self.fp = fp
         header = {"kind": "header", "format": FORMAT, "version": VERSION, "variant": variant,
                   "ranks": ranks, "slots": slots, "timeout_steps": timeout_steps, "source": source}
+        if release_timeout_steps is not None:     # only the deferred variants have one
+            header["release_timeout_steps"] = release_timeout_steps
         header.update(extra)
         self._write(header)
 
@@ -87,12 +90,14 @@ class Header:
     slots: int
     timeout_steps: int | None
     source: str
+    release_timeout_steps: int | None = None     # the deferred variants' (absent: default)
 
     def spec_variant(self, name: str | None = None) -> Variant:
-        """The named variant (default: the header's), with the header's timeout where
-        that variant has one."""
+        """The named variant (default: the header's), with the header's timeouts where
+        that variant has them."""
         base = get_variant(name or self.variant)
-        return get_variant(base.name, self.timeout_steps) if base.timeout_steps else base
+        return get_variant(base.name, self.timeout_steps if base.timeout_steps else None,
+                           self.release_timeout_steps if base.release_timeout_steps else None)
 
 
 def _int(obj: dict, key: str, line: int, lo: int = 0, hi: int | None = None) -> int:
@@ -123,11 +128,12 @@ def parse_header(obj: dict, line: int) -> Header:
         raise TraceFormatError(line, f"unsupported trace version {obj.get('version')!r}")
     if obj.get("variant") not in VARIANTS and obj.get("variant") not in ABLATIONS:
         raise TraceFormatError(line, f"unknown variant {obj.get('variant')!r}")
-    timeout = obj.get("timeout_steps")
-    if timeout is not None:
-        timeout = _int(obj, "timeout_steps", line, 1)
+    timeouts = {}
+    for key in ("timeout_steps", "release_timeout_steps"):
+        timeouts[key] = None if obj.get(key) is None else _int(obj, key, line, 1)
     return Header(obj["variant"], _int(obj, "ranks", line, 1), _int(obj, "slots", line, 1),
-                  timeout, str(obj.get("source", "")))
+                  timeouts["timeout_steps"], str(obj.get("source", "")),
+                  timeouts["release_timeout_steps"])
 
 
 def _parse_rank_step(obj: Any, line: int, ranks: int) -> RankStep:
