@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -57,5 +58,11 @@ def run_reporting(prog: str, execute: Callable[[argparse.Namespace], object],
         return 1
     except MemoryError:
         print(f"{prog}: out of memory (use fewer --requests or --ranks)", file=sys.stderr)
+        return 1
+    except BrokenPipeError:      # stdout closed early (``| head``): stop quietly
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
         return 1
     return 0
