@@ -184,7 +184,9 @@ def _window(text: str) -> tuple[float, float]:
 
 def check_workload_flags(args: argparse.Namespace) -> None:
     """A flag that has no meaning for the chosen workload is refused, never ignored."""
-    given = lambda name: getattr(args, name, None) is not None   # noqa: E731
+    def given(name: str) -> bool:
+        return getattr(args, name, None) is not None
+
     if args.trace_in:
         for name in ("burstiness", "input_len", "output_len"):
             if given(name):
