@@ -9,7 +9,14 @@ Figures:
 - bytes per request in flight: tracemalloc's peak during a run with thousands of
   requests in flight, over the peak number in flight (spec state, SimPy events and
   the simulator's own bookkeeping; the up-front per-request draws are excluded);
-- the spec's apply(Step) alone at 8 ranks and 4 queued requests.
+- the spec's apply(Step) alone at 8 ranks and 4 queued requests;
+- requests per wall second at 8 ranks (gate) replaying the Mooncake conversation sample
+  (sim/data, 1,000 real requests) and on generated Poisson load (4 req/s, default
+  lengths), by the fast schedule and, in the same run, by the eager one (a SimPy event
+  per delivery batch and per scheduler action, the schedule before the fast one; both
+  use the spec's batched step);
+- the trace reader: rows per second and peak traced memory streaming a generated
+  Azure-2024-format CSV (the memory must not grow with the file).
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ from sim.engine import Simulation
 from sim.workload import synthetic
 
 TARGETS = {
+    "mooncake_requests_per_s_8_ranks": (">=", 20_000),
+    "poisson_requests_per_s_8_ranks": (">=", 20_000),
+    "trace_read_peak_mb": ("<=", 8),
     "rank_steps_per_s": (">=", 150_000),
     "steps_per_s_8_ranks": (">=", 20_000),
     "hour_trace_wall_s": ("<=", 10.0),
@@ -72,7 +82,7 @@ def _hour(quick: bool) -> dict:
 
 
 def _traced_peak(cfg: SimConfig, wl) -> tuple:
-    draws = draw(cfg, wl)          # the up-front draws are per workload, not in flight
+    draws = draw(cfg, wl)          # the per-request draws (a few chunks kept) are not in flight
     gc.collect()
     tracemalloc.start()
     sim = Simulation(cfg, wl, draws=draws)
@@ -103,6 +113,57 @@ def _memory(quick: bool) -> dict:
             "bytes_per_queued_request_8_ranks": round(peak_q / data_q.peak_in_flight)}
 
 
+def _throughput(quick: bool) -> dict:
+    """Requests per wall second (best of 3, or 2 with --quick), fast vs eager schedule
+    interleaved in the same run; the ratio from CPU time (less noisy when shared)."""
+    from pathlib import Path
+    from sim.workload import load_trace
+    sample = Path(__file__).resolve().parents[1] / "sim" / "data" / "mooncake_conversation_head1000.jsonl"
+    loads = {"mooncake": load_trace(str(sample)),
+             "poisson": _workload(2000 if quick else 10_000, 4.0)}
+    out: dict = {}
+    cfg = SimConfig(variant="gate", ranks=8)
+    for name, wl in loads.items():
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        cpus: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(2 if quick else 3):       # interleaved, so load changes hit both
+            for eager in (False, True):
+                sim = Simulation(cfg, wl, eager=eager)
+                t0, c0 = time.perf_counter(), time.process_time()
+                sim.run()
+                walls[eager].append(time.perf_counter() - t0)
+                cpus[eager].append(time.process_time() - c0)
+        out[f"{name}_requests_per_s_8_ranks"] = round(len(wl) / min(walls[False]))
+        out[f"{name}_requests_per_s_8_ranks_eager"] = round(len(wl) / min(walls[True]))
+        out[f"{name}_requests_per_cpu_s_8_ranks"] = round(len(wl) / min(cpus[False]))
+        out[f"{name}_speedup_vs_eager_cpu"] = round(min(cpus[True]) / min(cpus[False]), 2)
+    return out
+
+
+def _trace_reader(quick: bool) -> dict:
+    """Stream a generated Azure 2024 CSV, keeping only its last second of requests."""
+    import os
+    import tempfile
+    from sim.traces import read_trace
+    rows = 50_000 if quick else 500_000
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "azure2024.csv")
+        with open(path, "w") as fp:
+            fp.write("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+            for i in range(rows):
+                fp.write(f"2024-05-10 {i // 3_600_000:02d}:{i // 60000 % 60:02d}:{i // 1000 % 60:02d}"
+                         f".{i % 1000:03d}000+00:00,{100 + i % 900},{1 + i % 300}\n")
+        t0 = time.perf_counter()
+        read_trace(path, window_s=(rows / 1000 - 1, rows / 1000))
+        wall = time.perf_counter() - t0
+        tracemalloc.start()
+        read_trace(path, window_s=(rows / 1000 - 1, rows / 1000))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return {"trace_read_rows": rows, "trace_read_rows_per_s": round(rows / wall),
+            "trace_read_peak_mb": round(peak / 2**20, 2)}
+
+
 def _spec_step() -> dict:
     s = initial_state(get_variant("gate"), 8, 64)
     for i in range(4):
@@ -117,7 +178,7 @@ def _spec_step() -> dict:
 
 def run(quick: bool) -> dict:
     out: dict = {}
-    for part in (_loaded, _hour, _memory):
+    for part in (_loaded, _hour, _memory, _throughput, _trace_reader):
         out.update(part(quick))
     out.update(_spec_step())
     return out

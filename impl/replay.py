@@ -111,7 +111,8 @@ def _merge(script: Script, per_rank: list[dict]) -> tuple[str, int]:
     """The impl trace from every rank's step records, interleaved with the events."""
     h = script.header
     fp = io.StringIO()
-    writer = TraceWriter(fp, h.variant, h.ranks, h.slots, "impl", h.timeout_steps)
+    writer = TraceWriter(fp, h.variant, h.ranks, h.slots, "impl", h.timeout_steps,
+                         h.release_timeout_steps)
     records = [[StepTrace.from_json(s) for s in r["steps"]] for r in per_rank]
     stop = min(r["at"] for r in per_rank)
     step = 0

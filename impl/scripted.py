@@ -4,7 +4,7 @@
 real DecodeTransferQueue and MetadataBuffers: ``enqueue`` allocates a slot and queues
 the request, ``kv_done``/``fail`` latch its receiver, ``land`` writes the room or the
 payload into the slot the rank gave the request (also after it left: a late write),
-``fence`` acknowledges an abort, and ``step`` runs ``pop_transferred`` (a collective).
+``fence`` acknowledges an abort, and ``step`` runs ``pop_transferred`` (a collective; so does an agreed ``enqueue``).
 Used by ``pdgate replay`` (one process per rank) and by the in-process tests.
 """
 from __future__ import annotations
@@ -40,6 +40,9 @@ class ScriptedReceiver:
     def writes_fenced(self) -> bool:
         return self.fenced or self.landed >= {ROOM, PAYLOAD}
 
+    def abort_acknowledged(self) -> bool:
+        return self.fenced
+
 
 class RankHarness:
     def __init__(self, rank: int, variant: str | Variant, slots: int, exchange: Any,
@@ -62,10 +65,12 @@ class RankHarness:
             self.queue.pop_transferred()
             return self.tracer.records[-1]
         if isinstance(ev, Enqueue):
+            # the queue's admit step: agreed admission takes it on every rank or none
+            # (one all-reduce), local admission where this rank has a free slot
             receiver = ScriptedReceiver()
-            d = self.queue.enqueue(Req(str(ev.req), ev.room), receiver)
-            self.receivers[ev.req], self.slot_of[ev.req] = receiver, d.metadata_buffer_index
-            self.requests[ev.req] = ev
+            for d in self.queue.admit([(Req(str(ev.req), ev.room), receiver)]):
+                self.receivers[ev.req], self.slot_of[ev.req] = receiver, d.metadata_buffer_index
+                self.requests[ev.req] = ev
             return None
         if ev.rank != self.rank:
             return None

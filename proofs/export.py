@@ -50,7 +50,7 @@ class _Replay:
         self.fp = open(path, "w", encoding="utf-8")
         self.state = initial_state(variant, ranks, slots)
         self.writer = TraceWriter(self.fp, variant.name, ranks, slots, "pdgate prove",
-                                  variant.timeout_steps, note=note)
+                                  variant.timeout_steps, variant.release_timeout_steps, note=note)
 
     def do(self, ev: Event) -> None:
         try:

@@ -13,9 +13,11 @@ from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.engine import RunData, Simulation, resolve_variant, trace_name
-from sim.errors import SimInputError, run_reporting
+from sim.hazard import HAZARD_COLUMNS, hazard_line, summarize_hazard
+from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
-from sim.results import divergence_line, dumps, summarize, table
+from sim.results import divergence_line, dumps, step_note, summarize, table
+from sim.workload import Workload
 
 PROG = "pdgate simulate"
 IDEAL = "ideal"   # --compare's extra reference run (ideal_config)
@@ -28,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=positive_int, default=8, help="TP ranks of the decode worker")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--replications", type=positive_int, default=5,
-                   help="--compare: seeds seed..seed+R-1, for the confidence interval")
+                   help="--compare / --hazard: seeds seed..seed+R-1, for the confidence interval")
+    p.add_argument("--hazard", action="store_true",
+                   help="run each variant (--compare's, default all) until its first invariant "
+                        "break, --replications times: requests and seconds until the break")
     add_model_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -56,14 +61,15 @@ def ideal_config(cfg: SimConfig) -> SimConfig:
 
 
 def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: str | None,
-                 record: bool, several: bool = False) -> RunData:
+                 record: bool, several: bool = False, workload: Workload | None = None) -> RunData:
     """One run with the flags' model (variant "ideal": see ideal_config); ``trace_path``
     gets the spec trace."""
     cfg = build_config(args, "ungated" if variant == IDEAL else variant, args.ranks,
                        args.metadata_lag, seed, several)
     if variant == IDEAL:
         cfg = ideal_config(cfg)
-    workload = build_workload(args, args.rate, seed)
+    if workload is None:
+        workload = build_workload(args, args.rate, seed)
     if trace_path is None:
         return Simulation(cfg, workload, record_spans=record).run()
     v = resolve_variant(cfg)
@@ -79,6 +85,17 @@ def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: 
         writer = TraceWriter(fp, name, cfg.ranks, cfg.n_slots(), f"pdgate simulate seed={seed}",
                              v.timeout_steps, workload=workload.source)
         return Simulation(cfg, workload, trace=writer, record_spans=record).run()
+
+
+def check_outputs(args: argparse.Namespace, names: list[str]) -> None:
+    """Every output path is checked before any work (not after a long run)."""
+    several = args.compare is not None
+    for n in names + ([IDEAL] if several else []):
+        if args.trace:
+            check_writable(_trace_path(args.trace, n, several), "--trace")
+    check_writable(args.json, "--json")
+    check_writable(args.perfetto, "--perfetto")
+    check_writable(args.plot, "--plot", directory=True)
 
 
 def _variants(args: argparse.Namespace) -> list[str]:
@@ -102,20 +119,69 @@ def _write(path: str, text: str, flag: str) -> None:
         raise SimInputError(f"{flag}: cannot write {path}: {exc.strerror}") from None
 
 
+def _hazard(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """--hazard: each variant's first break over --replications independent seeds."""
+    runs: dict[str, list[RunData]] = {n: [] for n in names}
+    workload = None
+    for rep in range(args.replications):
+        if rep == 0 or not args.trace_in:
+            workload = build_workload(args, args.rate, args.seed + rep)
+        for n in names:
+            runs[n].append(simulate_one(args, n, args.seed + rep, None, False, True, workload))
+    rows = [row for n in names for row in summarize_hazard(n, runs[n])]
+    print(table(rows, HAZARD_COLUMNS))
+    for row in rows:
+        print(hazard_line(row, len(workload)))
+    print(step_note(runs[names[0]][0]))
+    if args.plot:
+        from sim.outputs import write_hazard_plot
+        print(f"wrote {write_hazard_plot(args.plot, runs, len(workload))}")
+    out = {"hazard": rows, "requests": len(workload), "workload": workload.source}
+    if args.json:
+        _write(args.json, dumps(out), "--json")
+    return out
+
+
+MAX_REPLICATIONS = 10_000
+
+
 def execute(args: argparse.Namespace) -> dict[str, Any]:
+    if args.replications > MAX_REPLICATIONS:
+        raise SimInputError(f"--replications: at most {MAX_REPLICATIONS}, got {args.replications}")
+    if args.hazard and not args.compare:
+        args.compare = ",".join(VARIANTS)
     names = _variants(args)
     several = args.compare is not None
     reps = args.replications if several else 1
     record = bool(args.perfetto)
+    check_outputs(args, names)
+    for n in names:     # bad flags are refused before any trace is read or run started
+        build_config(args, n, args.ranks, args.metadata_lag, args.seed, several)
+    if args.hazard:
+        if args.trace or args.perfetto:
+            raise SimInputError("--hazard: writes no --trace or --perfetto (run one variant for those)")
+        return _hazard(args, names)
     runs: dict[str, list[RunData]] = {n: [] for n in names + ([IDEAL] if several else [])}
     for rep in range(reps):
+        # a replay is read once (it does not depend on the seed); synthetic load per seed
+        if rep == 0 or not args.trace_in:
+            workload = build_workload(args, args.rate, args.seed + rep)
         for n in runs:
             path = _trace_path(args.trace, n, several) if args.trace and rep == 0 else None
             runs[n].append(simulate_one(args, n, args.seed + rep, path, record and rep == 0,
-                                        several))
+                                        several, workload))
     wall = not args.no_wall_clock
     summaries = [summarize(runs[n][0], wall) for n in names]
     print(table(summaries))
+    info = workload.info
+    if info:
+        print(f"replay: {info['requests']} requests of {info['format']} trace {args.trace_in}"
+              + (f" (--requests truncates: the trace has more rows)" if info["truncated_by_requests"] else "")
+              + (f", window {info['window_s'][0]:g}-{info['window_s'][1]:g} s" if info["window_s"] else "")
+              + (f", time scale {info['time_scale']:g}" if info["time_scale"] != 1 else "")
+              + f", {info['failed_rows']} failed rows (0 output tokens) replayed as failed transfers"
+              + f", prefix-cache hit rate {info['prefix_hit_rate']:.1%} of prompt tokens")
+    print(step_note(runs[names[0]][0]))
     for s in summaries:
         line = divergence_line(s)
         if line:
@@ -151,10 +217,13 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
         write_perfetto(args.perfetto, firsts)
     if args.plot:
         from sim.outputs import write_plots
-        for path in write_plots(args.plot, firsts):
+        for path in write_plots(args.plot, firsts, runs[IDEAL][0] if several else None):
             print(f"wrote {path}")
     if args.json:
         _write(args.json, dumps(out), "--json")
+    cut = [f"{s['variant']}: {s['cut_short']}" for s in summaries if s["cut_short"]]
+    if cut:
+        raise SimCutShort("; ".join(cut))
     return out
 
 

@@ -19,6 +19,9 @@ ALLREDUCE_ALPHA_MS = 0.30
 ALLREDUCE_BETA_MS = 0.05 / 128
 # A 70B-class model (80 layers, 8 KV heads x 128, K and V, bf16): KV bytes per token, all ranks.
 KV_BYTES_PER_TOKEN = 80 * 8 * 128 * 2 * 2
+# Caps that keep memory bounded (the spec keeps a metadata row per slot and rank).
+MAX_POOL = 1_000_000
+MAX_SLOT_ROWS = 10**7
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class SimConfig:
     lost_metadata_prob: float = 0.0        # per request and rank: the metadata never lands
     late_write: Dist | None = None         # extra delay of a failed request's metadata writes
     stalls: tuple[Stall, ...] = ()
+    # bounds on a run (a run that would not end is refused or stopped with a message)
+    max_sim_s: float = 1e7                 # simulated seconds
+    max_steps: int | None = None           # protocol steps (None: 10**5 + 1000 per request)
 
     def lag_dists(self) -> tuple[Dist, ...]:
         if self.metadata_lag is not None:
@@ -83,8 +89,11 @@ class SimConfig:
             if not ok:
                 raise SimInputError(f"{flag}: {msg}")
         need(self.ranks >= 1, "--ranks", f"must be >= 1, got {self.ranks}")
-        need(self.request_pool >= 1, "--request-pool", f"must be >= 1, got {self.request_pool}")
+        need(1 <= self.request_pool <= MAX_POOL, "--request-pool",
+             f"must be in 1..{MAX_POOL}, got {self.request_pool}")
         need(self.n_slots() >= 1, "--slots", f"must be >= 1, got {self.slots}")
+        need(self.n_slots() * self.ranks <= MAX_SLOT_ROWS, "--slots",
+             f"{self.n_slots()} slots x {self.ranks} ranks is over {MAX_SLOT_ROWS} metadata rows")
         need(self.timeout_steps is None or self.timeout_steps >= 1, "--timeout-steps",
              f"must be >= 1, got {self.timeout_steps}")
         for flag, val in (("--allreduce-alpha", self.allreduce_alpha_ms),
@@ -92,7 +101,8 @@ class SimConfig:
                           ("--prefill-base", self.prefill_base_ms),
                           ("--prefill-per-token", self.prefill_ms_per_token)):
             need(math.isfinite(val) and val >= 0, flag, f"must be a finite number >= 0, got {val}")
-        need(self.prefill_servers >= 1, "--prefill-servers", f"must be >= 1, got {self.prefill_servers}")
+        need(1 <= self.prefill_servers <= MAX_POOL, "--prefill-servers",
+             f"must be in 1..{MAX_POOL}, got {self.prefill_servers}")
         need(self.page_tokens >= 1, "--page-tokens", f"must be >= 1, got {self.page_tokens}")
         need(math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0, "--bandwidth",
              f"must be > 0 GB/s, got {self.bandwidth_gbps}")
@@ -101,7 +111,18 @@ class SimConfig:
         need(len(self.lag_dists()) == self.ranks, "--metadata-lag", "needs one distribution per rank")
         need(self.lag_skew is None or len(self.lag_skew) == self.ranks, "--lag-skew",
              "needs one multiplier per rank")
+        need(math.isfinite(self.max_sim_s) and self.max_sim_s > 0, "--max-sim-seconds",
+             f"must be a finite number > 0, got {self.max_sim_s}")
+        limit_ms = self.max_sim_s * 1000.0
         for s in self.stalls:
             need(0 <= s.rank < self.ranks, "--stall", f"rank {s.rank} out of range 0..{self.ranks - 1}")
             need(s.start_ms >= 0 and s.duration_ms > 0, "--stall", "start must be >= 0 and duration > 0")
+            need(s.start_ms + s.duration_ms <= limit_ms, "--stall",
+                 f"the window ends after --max-sim-seconds ({self.max_sim_s:g} s)")
+        for flag, val in (("--allreduce-alpha", self.allreduce_alpha_ms),
+                          ("--allreduce-beta", self.allreduce_beta_ms)):
+            need(val <= limit_ms, flag, f"{val:g} ms exceeds --max-sim-seconds ({self.max_sim_s:g} s)")
+        for flag, dist in (("--forward", self.forward), ("--idle-step", self.idle_step)):
+            need(dist.kind != "const" or dist.params[0] <= limit_ms, flag,
+                 f"{dist} exceeds --max-sim-seconds ({self.max_sim_s:g} s)")
         return self

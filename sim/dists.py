@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -57,12 +56,19 @@ class Dist:
         return self.text
 
 
+MAX_EMPIRICAL_BYTES = 64 << 20
+
+
 def load_empirical(path: str, flag: str) -> tuple[float, ...]:
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8") as fp:
+            text = fp.read(MAX_EMPIRICAL_BYTES + 1)     # bounded: /dev/zero is a file too
     except (OSError, UnicodeDecodeError) as exc:
         raise SimInputError(f"{flag}: cannot read empirical file {path}: "
                             f"{getattr(exc, 'strerror', None) or 'not UTF-8 text'}") from None
+    if len(text) > MAX_EMPIRICAL_BYTES:
+        raise SimInputError(f"{flag}: empirical file {path} is larger than {MAX_EMPIRICAL_BYTES} bytes")
+    lines = text.splitlines()
     values = []
     for n, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 from array import array
 import time
 from collections import deque
@@ -24,11 +25,12 @@ import numpy as np
 import simpy
 from simpy.events import URGENT, Event
 
+from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, apply, fail, forget, kv_done,
-                                land)
+from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, fail, forget,
+                                kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Variant, get_variant
@@ -38,7 +40,9 @@ from sim.draws import Draws, StepTimes, draw, stream
 from sim.errors import SimInputError
 from sim.workload import Workload
 
-KV, FAIL, PAY, ROOMF = 0, 1, 2, 3          # timeline event kinds, in same-time order
+# timeline event kinds, in same-time order (codes kind * ranks + rank, as batch.deliver's)
+KV, FAIL, PAY, ROOMF = KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
+CHUNK = 4096      # requests whose timelines are laid out together (see _layout)
 _LAND_FIELD = (None, None, PAYLOAD, ROOM)   # by kind
 _STEP = Step()
 FORGET_BATCH = 256
@@ -99,13 +103,16 @@ class _At(Event):
 
 
 class _Timeline:
-    """One request's per-rank events (KV, then metadata), delivered in time order with
-    a single pending SimPy event at a time (keeps memory per request small)."""
-    __slots__ = ("req", "times", "codes", "pos", "due")
+    """One request's per-rank events (KV, then metadata), in time order. While its
+    request is queued they wait, undelivered, until a protocol step needs them (``lazy``,
+    see Simulation._drain); otherwise a single pending SimPy event at a time delivers
+    them at their times (keeps memory per request small)."""
+    __slots__ = ("req", "times", "codes", "pos", "due", "lazy")
 
     def __init__(self, req: int, times: Sequence[float], codes: Sequence[int]):
-        self.req, self.times, self.codes, self.pos = req, array("d", times), array("h", codes), 0
+        self.req, self.times, self.codes, self.pos = req, array("d", times), array("q", codes), 0
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
+        self.lazy = False
 
 
 @dataclass
@@ -138,14 +145,24 @@ class RunData:
     stuck: int                     # requests held forever (no timeout can free them)
     peak_in_flight: int            # most requests arrived and not yet done at once
     spans: list[tuple] = field(default_factory=list)   # Perfetto data, when recorded
+    cut_short: str | None = None   # the run hit --max-sim-seconds or --max-steps
 
 
 class Simulation:
     def __init__(self, cfg: SimConfig, workload: Workload, trace: TraceWriter | None = None,
-                 record_spans: bool = False, draws: Draws | None = None):
+                 record_spans: bool = False, draws: Draws | None = None, eager: bool = False,
+                 wall_limit_s: float | None = None):
+        """``eager``: every environment batch and every scheduler step is its own SimPy
+        event (always so with a trace, whose records are then in time order); otherwise
+        the same run with far fewer SimPy events (see _drain and _scheduler).
+        ``wall_limit_s``: stop (cut short) after that many wall seconds (a sweep's
+        --cell-timeout, which works in any process or thread)."""
         self.cfg = cfg.validate()
         self.variant = resolve_variant(cfg)
         self.wl = workload
+        if len(workload) and not float(workload.arrival_ms[-1]) <= cfg.max_sim_s * 1000.0:
+            raise SimInputError(f"the workload's arrivals span {float(workload.arrival_ms[-1]) / 1000:.4g} s, "
+                                f"beyond --max-sim-seconds ({cfg.max_sim_s:g} s)")
         self.d = draws if draws is not None else draw(cfg, workload)
         self.trace, self.record = trace, record_spans
         n, T = len(workload), cfg.ranks
@@ -155,15 +172,16 @@ class Simulation:
         self.commit_ms = np.full(n, np.nan)
         self.kv_all_ms = np.full(n, np.nan)
         self.outcome = np.full(n, -1, dtype=np.int8)
-        self.write_end = np.full((n, T), -math.inf)
+        # aborted requests' last write per rank (base, offsets): for their fences
+        self.write_end: dict[int, tuple[float, Sequence[float]]] = {}
         self.prealloc: deque[int] = deque()
         self.running: list[tuple[int, int]] = []   # (finishing decode step, request)
         self.in_pool = 0
         self.peak_in_flight = 0
         self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
-        self.prefills: list[tuple[float, int]] = []   # (prefill done, request)
-        self.prefill_next: float | None = None
-        self.pending = 1          # arrivals still to come + scheduled callbacks
+        # (arrived is counted lazily, by _finish)
+        self.arrivals = workload.arrival_ms
+        self.pending = 1          # prefill completions still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
         self.since_poll = 0       # environment events since the last protocol step
@@ -177,9 +195,16 @@ class Simulation:
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
         # timeline code -> (kind, rank): a table lookup instead of a divmod per event
         self.decode = [divmod(code, T) for code in range(4 * T)]
+        self.eager = eager or trace is not None
+        self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
+        self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
+        self.end_ms = 0.0
+        self.cut_short: str | None = None      # why the run stopped before every request was decided
+        self.wall_limit_s = wall_limit_s
+        self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
 
     # -- environment events ------------------------------------------------------------
-    def _env_events(self, events: list[Any]) -> None:
+    def _env_events(self, events: list[Any], now: float) -> None:
         state = self.state
         try:
             for ev in events:
@@ -189,47 +214,54 @@ class Simulation:
         self.since_poll += len(events)
         if self.trace is not None:
             for ev in events:
-                self.trace.event(ev, self.env.now)
+                self.trace.event(ev, now)
 
-    def _arrivals(self):
-        env, wl = self.env, self.wl
+    def _prefill_plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill completion times and requests, in completion order. Prefill depends
+        on nothing the decode side does (FIFO servers, fixed durations), so it is planned
+        up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        for i in range(len(wl)):
-            t = float(wl.arrival_ms[i])
-            if t > env.now:
-                yield env.timeout(t - env.now)
-            done = max(env.now, heapq.heappop(servers)) + float(self.d.prefill_ms[i])
-            heapq.heappush(servers, done)
-            self.arrived += 1
-            self.peak_in_flight = max(self.peak_in_flight, self.arrived - self.finished)
-            heapq.heappush(self.prefills, (done, i))
-            self._wake_prefills()
-        self._settle()
+        done = np.empty(len(self.wl))
+        for i, (t, dur) in enumerate(zip(self.arrivals.tolist(), self.d.prefill_ms.tolist())):
+            end = max(t, heapq.heappop(servers)) + dur
+            heapq.heappush(servers, end)
+            done[i] = end
+        order = np.argsort(done, kind="stable")
+        return done[order], order
 
-    def _wake_prefills(self) -> None:
-        """One pending SimPy event for the earliest prefill completion (not one per request)."""
-        head = self.prefills[0][0] if self.prefills else None
-        if head is not None and (self.prefill_next is None or head < self.prefill_next):
-            self.prefill_next = head
-            self.pending += 1
-            _At(self.env, head - self.env.now, self._prefilled, head)
+    def _prefilled(self, pos: int) -> None:
+        """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
+        times, reqs = self.plan
+        now, end = times[pos], len(times)
+        stop = int(np.searchsorted(times, now, side="right"))
+        self.prealloc.extend(reqs[pos:stop].tolist())
+        pos = stop
+        if pos < end:
+            _At(self.env, float(times[pos]) - self.env.now, self._prefilled, pos)
+        self._admit(self.env.now)
+        if pos == end:
+            self._settle()
 
-    def _prefilled(self, target: float) -> None:
-        if self.prefill_next == target:
-            self.prefill_next = None
-        while self.prefills and self.prefills[0][0] <= target:
-            self.prealloc.append(heapq.heappop(self.prefills)[1])
-        self._wake_prefills()
-        self._admit()
-        self._settle()
+    def _finish(self, now: float) -> None:
+        """A request is done (decoded or aborted)."""
+        self._in_flight_peak(now)
+        self.finished += 1
 
-    def _admit(self) -> None:
-        ranks, prealloc, pool = self.state.ranks, self.prealloc, self.cfg.request_pool
+    def _in_flight_peak(self, now: float) -> None:
+        """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
+        a finish, so its peak is reached just before one (or at the end of the run)."""
+        k = self.arrived = int(np.searchsorted(self.arrivals, now, side="right"))
+        if k - self.finished > self.peak_in_flight:
+            self.peak_in_flight = k - self.finished
+
+    def _admit(self, now: float) -> None:
+        """Enqueue waiting requests (at simulated time ``now``) while the pool and every
+        rank's free list have room."""
+        state, prealloc, pool = self.state, self.prealloc, self.cfg.request_pool
         while prealloc and self.in_pool < pool:
-            for rs in ranks:        # a loop, not all(): this runs after every delivery
-                if not rs.free:
-                    return
-            self._enqueue(prealloc.popleft())
+            if not admitting(state):      # the spec's admission rule (agreed, or per rank)
+                return
+            self._enqueue(prealloc.popleft(), now)
 
     def _shift_stalls(self, k: int, t: float) -> float:
         """``t`` moved past any stall of rank ``k`` that covers it."""
@@ -238,54 +270,112 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _enqueue(self, i: int) -> None:
-        d, now, T, rtt = self.d, self.env.now, self.T, self.room_rtt
-        self._env_events([Enqueue(i, d.room[i], d.payload[i])])
+    def _layout(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
+        with numpy: event times sorted per request (absent events last, at +inf), their
+        codes, the count of real events, the last write per rank (-inf: none) and the
+        latest KV completion. Without stalls an event's time is enqueue + offset, and
+        adding the same number keeps the order, so the order is known up front."""
+        cached = self.layouts.get(c)
+        if cached is not None:
+            return cached
+        ch, T = self.d.chunk(c), self.T
+        xfer, lag, fr = ch.xfer_ms, ch.lag_ms, ch.fail_rank
+        failed = np.arange(T)[None, :] == fr[:, None]
+        extra = np.where(fr >= 0, ch.late_ms, 0.0)
+        land = xfer + lag + extra[:, None]
+        meta = ~(failed | ch.lost)
+        room = np.where(meta, land + self.room_rtt, np.inf)
+        rel = np.concatenate([xfer, np.where(meta, land, np.inf), room], axis=1)
+        k = np.arange(T)[None, :]
+        codes = np.concatenate([np.where(failed, FAIL * T + k, KV * T + k),
+                                np.broadcast_to(PAY * T + k, xfer.shape),
+                                np.broadcast_to(ROOMF * T + k, xfer.shape)], axis=1)
+        order = np.lexsort((codes, rel))
+        rel = np.take_along_axis(rel, order, axis=1)
+        codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
+        count = np.isfinite(rel).sum(axis=1)
+        out = (rel, codes, count, np.where(meta, room, -math.inf), xfer.max(axis=1))
+        if len(self.layouts) >= 4:       # requests enqueue in about arrival order
+            self.layouts.pop(next(iter(self.layouts)))
+        self.layouts[c] = out
+        return out
+
+    def _enqueue(self, i: int, now: float) -> None:
+        ch, j = self.d.row(i)
+        self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
         self.in_pool += 1
-        fr = int(d.fail_rank[i])
-        extra = float(d.late_ms[i]) if fr >= 0 else 0.0
-        xfer, lag, lost = d.xfer_ms[i].tolist(), d.lag_ms[i].tolist(), d.lost[i].tolist()
+        if self.cfg.stalls or self.record:
+            tl = self._timeline_of(i, now)
+        else:
+            rel, codes, count, last, kv_max = self._layout(i // CHUNK)
+            m = int(count[j])
+            tl = _Timeline(i, (), ())
+            tl.times.frombytes((now + rel[j, :m]).tobytes())
+            tl.codes.frombytes(codes[j, :m].tobytes())
+            self.write_end[i] = (now, last[j].tolist())
+            if ch.fail_rank[j] < 0:
+                self.kv_all_ms[i] = now + kv_max[j]
+        ranks = self.state.ranks
+        if any(i not in rs.recv for rs in ranks):     # local admission left some ranks out
+            keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
+            tl = _Timeline(i, [tl.times[j] for j in keep], [tl.codes[j] for j in keep])
+            if not keep:
+                return
+        if self.eager:
+            self._schedule(tl)
+        else:
+            tl.lazy = True
+            self.active[i] = tl
+            heapq.heappush(self.lazy, (tl.times[0], i, tl))
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def _timeline_of(self, i: int, now: float) -> _Timeline:
+        """Request ``i``'s timeline one event at a time: with stalls (which move events
+        by their absolute time) or Perfetto spans to record."""
+        (ch, j), T, rtt = self.d.row(i), self.T, self.room_rtt
+        fr = int(ch.fail_rank[j])
+        extra = float(ch.late_ms[j]) if fr >= 0 else 0.0
+        xfer, lag, lost = ch.xfer_ms[j].tolist(), ch.lag_ms[j].tolist(), ch.lost[j].tolist()
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
         stalls, record = self.cfg.stalls, self.record
         for k in range(T):
-            kv = now + xfer[k]
-            if stalls:
-                kv = self._shift_stalls(k, kv)
-            if kv > kv_all:
-                kv_all = kv
+            kv = self._shift_stalls(k, now + xfer[k])
+            kv_all = max(kv_all, kv)
             events.append((kv, (FAIL if k == fr else KV) * T + k))
             if k == fr or lost[k]:
                 continue
-            land = kv + lag[k] + extra
-            if stalls:
-                land = self._shift_stalls(k, land)
+            land = self._shift_stalls(k, kv + lag[k] + extra)
             events.append((land, PAY * T + k))
             events.append((land + rtt, ROOMF * T + k))
             write_end[k] = land + rtt
             if record:
                 self.spans.append(("kv", k, i, now, kv))
                 self.spans.append(("lag", k, i, kv, land + rtt))
-        self.write_end[i] = write_end
+        self.write_end[i] = (0.0, write_end)
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
         times, codes = zip(*events)
-        tl = _Timeline(i, times, codes)
-        self.pending += 1
-        tl.due = _At(self.env, tl.times[0] - now, self._timeline, tl)
-        if self.wake is not None and not self.wake.triggered:
-            self.wake.succeed()
+        return _Timeline(i, times, codes)
 
-    def _timeline(self, tl: _Timeline) -> None:
-        """Deliver the timeline's events due at its next time (one batch, one SimPy event).
-        Without a trace, the spec's transitions are called on plain fields: the same
-        transitions as ``apply`` of the events, minus building an object per event."""
-        now, decode, i, state = self.env.now, self.decode, tl.req, self.state
+    def _schedule(self, tl: _Timeline) -> None:
+        """Deliver ``tl``'s remaining events at their times, by SimPy events."""
+        self.pending += 1
+        tl.due = _At(self.env, tl.times[tl.pos] - self.env.now, self._timeline, tl)
+
+    def _deliver(self, tl: _Timeline, until: float) -> None:
+        """Deliver the timeline's events due at its next time or, with ``until``, every
+        event up to that time. Without a trace, the spec's transitions are called on
+        plain fields: the same transitions as ``apply`` of the events, minus building an
+        object per event."""
+        decode, i, state = self.decode, tl.req, self.state
         ranks, direct = state.ranks, self.trace is None
         times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
-        target = times[pos]      # exact, where now may differ from it in the last bit
+        target = max(times[pos], until)   # exact, where now may differ from it in the last bit
         batch: list[Any] = []
         delivered = 0
         try:
@@ -311,25 +401,70 @@ class Simulation:
         if direct:
             self.since_poll += delivered
         else:
-            self._env_events(batch)   # env events never pop: the checks above stay valid
+            self._env_events(batch, self.env.now)   # env events never pop: the checks above stay valid
         tl.pos = pos
-        if pos < end:
-            tl.due.again(times[pos] - now)
+
+    def _timeline(self, tl: _Timeline) -> None:
+        """The SimPy callback of a scheduled timeline: one batch, then the next. A
+        request that left the queue may still write into a slot that now has a new,
+        queued tenant, whose own writes wait in the heap: those due first land first."""
+        if self.lazy:
+            self._drain(self.env.now)
+        self._deliver(tl, -math.inf)
+        if tl.pos < len(tl.times):
+            tl.due.again(tl.times[tl.pos] - self.env.now)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
-            self._admit()
+            self._admit(self.env.now)
+
+    def _drain(self, now: float) -> None:
+        """Deliver every waiting event of the queued requests due at or before ``now``.
+        Exact: until a request leaves the queue, its KV and metadata events change only
+        its own receiver, row and landed bits, which nothing reads before the next
+        protocol step (admission reads the free lists, which they cannot change); events
+        of different queued requests commute; and a late write of a request that left
+        (which may hit a reused slot) drains the heap up to its own time first."""
+        heap = self.lazy
+        while heap and heap[0][0] <= now:
+            tl = heapq.heappop(heap)[2]
+            if not tl.lazy:
+                continue            # its request left the queue: SimPy delivers the rest
+            pos = tl.pos
+            end = bisect_right(tl.times, now, pos)
+            try:
+                deliver(self.state, tl.req, tl.codes[pos:end])
+            except EventNotEnabled as exc:
+                _refused(exc)
+            self.since_poll += end - pos
+            tl.pos = end
+            if end < len(tl.times):
+                heapq.heappush(heap, (tl.times[tl.pos], tl.req, tl))
+            else:
+                tl.lazy = False
+                del self.active[tl.req]
+
+    def _leave(self, popped: Sequence[tuple[int, int, int]]) -> None:
+        """Requests that left the queue: their undelivered events (late writes, which can
+        free a quarantined slot) now happen at their own times."""
+        for r, _, _ in popped:
+            tl = self.active.pop(r, None)
+            if tl is not None:
+                tl.lazy = False
+                self._schedule(tl)
 
     def _fence(self, key: tuple[int, int]) -> None:
         k, i = key
         rs, now = self.state.ranks[k], self.env.now
         if i in rs.landed and i not in rs.fenced:
-            if self.write_end[i, k] >= now and rs.landed[i] != ALL_FIELDS:
+            base, last = self.write_end[i]
+            end = base + last[k]
+            if end >= now and rs.landed[i] != ALL_FIELDS:
                 # prefill acknowledges only once its writes are done: wait for them
-                _At(self.env, self.write_end[i, k] - now, self._fence, key)
+                _At(self.env, end - now, self._fence, key)
                 return
-            self._env_events([Fence(k, i)])
-            self._admit()       # the fence may have freed a quarantined slot
+            self._env_events([Fence(k, i)], now)
+            self._admit(now)    # the fence may have freed a quarantined slot
         self._settle()
 
     def _settle(self) -> None:
@@ -340,62 +475,109 @@ class Simulation:
             self.wake.succeed()
 
     # -- the decode scheduler ----------------------------------------------------------
+    def _catch_up(self, t: float):
+        """Let every SimPy event due at or before ``t`` happen (then the scheduler acts at
+        ``t`` on what they did). When none is due, the scheduler runs ahead of SimPy's
+        clock without yielding: nothing could have happened in between. Eager: a SimPy
+        event for every scheduler action, as a trace wants."""
+        env = self.env
+        if self.eager:
+            yield env.timeout(t - env.now)
+            return
+        while env.peek() <= t:
+            yield env.timeout(max(0.0, t - env.now))
+
     def _scheduler(self):
         env, state, cfg = self.env, self.state, self.cfg
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
+        eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        stepper = Stepper(state)
+        t = env.now                          # the scheduler's clock (>= SimPy's)
+        limit_ms = cfg.max_sim_s * 1000.0
+        # protocol steps bound the work (decode steps are bounded by the output tokens)
+        max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
+        deadline = None if self.wall_limit_s is None else time.perf_counter() + self.wall_limit_s
         while self.decided < n:
-            if not ranks[0].queue and not self.running:
-                if self.pending == 0:      # nothing can arrive or land any more
+            if t > limit_ms or state.steps >= max_steps or (
+                    deadline is not None and not state.steps & 1023 and time.perf_counter() > deadline):
+                bound = ("--max-sim-seconds" if t > limit_ms else "--max-steps"
+                         if state.steps >= max_steps else f"--cell-timeout ({self.wall_limit_s:g} s)")
+                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after {state.steps} "
+                                  f"protocol steps with {n - self.decided} request(s) undecided: "
+                                  f"{bound} reached (raise it to go on)")
+                break
+            if eager or env.peek() <= t:
+                yield from self._catch_up(t)
+            if not ranks[0].queue and not running:
+                if self.pending == 0 and not self.active:   # nothing can arrive or land any more
                     self.stuck = len(self.prealloc)
-                    return
+                    break
                 self.wake = env.event()
                 yield self.wake
                 self.wake = None
+                t = env.now
                 continue
             queued = len(ranks[0].queue)
             if queued:
-                s = env.now
-                rec = apply(state, _STEP, detail=detail)
+                s = t
+                if self.lazy:
+                    self._drain(s)
+                # quiet: no event since the last step (every delivery counts in since_poll)
+                rec = apply(state, _STEP) if detail else stepper.step(self.since_poll == 0)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
                 found = step_violations(state, rec)
                 if found:
                     self.divergence = Divergence(rec.step, s, found[0])
-                    return
+                    break
+                if rec.popped[0] and self.active:
+                    self._leave(rec.popped[0])
                 cost = cfg.allreduce_alpha_ms + cfg.allreduce_beta_ms * queued
                 if self.record:
                     self.spans.append(("step", -1, rec.step, s, s + cost))
-                yield env.timeout(cost)
-                popped = self._record_pops(rec)
+                t = s + cost
+                if eager or env.peek() <= t:
+                    yield from self._catch_up(t)
+                popped = self._record_pops(rec, t)
                 if (not popped and not self.since_poll and timeout is None and self.pending == 0
-                        and not self.running):   # nothing can change any more: held forever
+                        and not running and not self.active):   # nothing can change: held forever
                     self.stuck = len(ranks[0].queue) + len(self.prealloc)
-                    return
-            self.decode_steps += 1
-            while self.running and self.running[0][0] <= self.decode_steps:
-                heapq.heappop(self.running)
-                self.in_pool -= 1
-                self.finished += 1
-            self._admit()
-            yield env.timeout(self.forward.next() if self.running else self.idle.next())
+                    break
+            # A decode step; with an empty transfer queue several run back to back (no
+            # protocol step between them) until something is due or a request enqueues.
+            nxt = env.peek() if not (queued or eager) else t
+            while True:
+                self.decode_steps += 1
+                while running and running[0][0] <= self.decode_steps:
+                    heapq.heappop(running)
+                    self.in_pool -= 1
+                    self._finish(t)
+                if self.prealloc:
+                    self._admit(t)
+                t += forward.next() if running else idle.next()
+                if t >= nxt or not running or ranks[0].queue:
+                    break
+        self.end_ms = t
 
-    def _record_pops(self, rec: StepRecord | StepPops) -> int:
+    def _record_pops(self, rec: StepRecord | StepPops, now: float) -> int:
+        """Book the step's pops, which take effect at ``now`` (after the all-reduce)."""
         popped = rec.popped
         if not popped[0]:       # the checks passed, so every rank popped the same: nothing
             return 0
-        now, d = self.env.now, self.d
+        d = self.d
         for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
             if dec == _COMMIT:
+                self.write_end.pop(r, None)      # a commit gets no fence
                 self.commit_ms[r] = now
                 heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
             else:
                 self.in_pool -= 1
-                self.finished += 1
+                self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
         self.to_forget.extend(r for r, _, _ in popped[0])
@@ -406,7 +588,8 @@ class Simulation:
             for r, dec, _ in rank_popped:
                 if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
                     self.pending += 1
-                    _At(self.env, float(d.fence_ms[r, k]), self._fence, (k, r))
+                    ch, j = d.row(r)
+                    _At(self.env, now + float(ch.fence_ms[j, k]) - self.env.now, self._fence, (k, r))
         return len(popped[0])
 
     def _forget_done(self) -> None:
@@ -418,19 +601,26 @@ class Simulation:
                 keep.append(r)
             else:
                 forget(self.state, r)
+                self.write_end.pop(r, None)
         self.to_forget = keep
 
     def run(self) -> RunData:
         env = self.env
-        env.process(self._arrivals())
+        self.plan = self._prefill_plan()
+        if len(self.plan[0]):
+            _At(env, float(self.plan[0][0]), self._prefilled, 0)
+        else:
+            self._settle()
         proc = env.process(self._scheduler())
         t0 = time.perf_counter()
         env.run(until=proc)
         wall = time.perf_counter() - t0
+        self._in_flight_peak(self.end_ms)
         if self.trace is not None:
             if self.divergence is not None:
                 self.trace.violation(self.divergence.violation, self.divergence.step)
             self.trace.end(self.state.steps)
         return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
                        self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
-                       env.now, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans)
+                       self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
+                       self.cut_short)

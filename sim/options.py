@@ -12,7 +12,15 @@ from sim.config import ALLREDUCE_ALPHA_MS, ALLREDUCE_BETA_MS, TE_GBPS, SimConfig
 from sim.dists import parse_dist, parse_rank_dists, parse_skew
 from sim.draws import stream
 from sim.errors import SimInputError
+from sim.traces import DEFAULT_CACHE_BLOCKS
 from sim.workload import Workload, load_trace, synthetic
+
+
+DEFAULT_REQUESTS = 1000
+DEFAULT_RATE = 4.0
+DEFAULT_INPUT, DEFAULT_OUTPUT = "lognormal:7,0.8", "lognormal:5,0.8"
+MAX_REQUESTS = 50_000_000
+MAX_RANKS = 1024
 
 
 def _number(kind: Callable[[str], Any], lo: float, strict: bool, what: str) -> Callable[[str], Any]:
@@ -52,15 +60,29 @@ def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
     """Workload, timing and fault flags (times in ms, distributions as in docs/SIMULATOR.md)."""
     one_line_errors(p)
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=positive_int, default=1000, help="requests to simulate")
+    w.add_argument("--requests", type=positive_int, default=None,
+                   help=f"requests to simulate (default {DEFAULT_REQUESTS}); with --trace-in it "
+                        f"truncates the replay (a replay is whole by default)")
     if not sweep:
-        w.add_argument("--rate", type=positive_float, default=4.0, help="arrivals per second")
-    w.add_argument("--burstiness", type=positive_float, default=1.0,
-                   help="Gamma shape of inter-arrival gaps (1 = Poisson, < 1 burstier)")
+        w.add_argument("--rate", type=positive_float, default=None,
+                       help=f"arrivals per second (default {DEFAULT_RATE:g}); with --trace-in the "
+                            f"target mean rate: inter-arrival times are rescaled to it")
+    w.add_argument("--burstiness", type=positive_float, default=None,
+                   help="Gamma shape of inter-arrival gaps (1 = Poisson, the default; < 1 burstier)")
     w.add_argument("--trace-in", metavar="PATH",
-                   help="replay a Mooncake JSONL (.jsonl) or Azure CSV (.csv) trace instead")
-    w.add_argument("--input-len", default="lognormal:7,0.8", metavar="DIST", help="prompt tokens")
-    w.add_argument("--output-len", default="lognormal:5,0.8", metavar="DIST", help="output tokens")
+                   help="replay a published trace: Mooncake FAST'25 JSONL, Azure 2023/2024/2025 "
+                        "CSV or BurstGPT CSV (docs/SIMULATOR.md)")
+    w.add_argument("--trace-window", metavar="START:END",
+                   help="--trace-in: only the requests arriving in [START, END) seconds from its first")
+    w.add_argument("--time-scale", type=positive_float, default=None, metavar="X",
+                   help="--trace-in: multiply inter-arrival times by X (0.5 = twice the rate)")
+    w.add_argument("--prefix-cache-blocks", type=nonneg_int, default=None, metavar="N",
+                   help=f"--trace-in with hash_ids: prefill-side LRU prefix cache of N blocks of "
+                        f"512 tokens (default {DEFAULT_CACHE_BLOCKS}; 0 = off)")
+    w.add_argument("--input-len", default=None, metavar="DIST",
+                   help=f"prompt tokens (default {DEFAULT_INPUT})")
+    w.add_argument("--output-len", default=None, metavar="DIST",
+                   help=f"output tokens (default {DEFAULT_OUTPUT})")
     t = p.add_argument_group("timing (ms)")
     t.add_argument("--forward", default="const:25", metavar="DIST", help="decode forward pass")
     t.add_argument("--idle-step", default="const:1", metavar="DIST",
@@ -99,6 +121,11 @@ def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
     f.add_argument("--no-clear", action="store_true", help="reuse slots without zeroing the room")
     f.add_argument("--stall", action="append", default=[], metavar="RANK:START:DURATION",
                    help="the rank's KV and metadata are held during the window (ms)")
+    b = p.add_argument_group("bounds")
+    b.add_argument("--max-sim-seconds", type=positive_float, default=1e7, metavar="S",
+                   help="refuse draws and arrivals beyond S simulated seconds; stop a run there")
+    b.add_argument("--max-steps", type=positive_int, default=None, metavar="N",
+                   help="stop a run after N protocol steps (default 10**5 + 1000 per request)")
 
 
 def parse_stall(text: str, ranks: int) -> Stall:
@@ -119,8 +146,8 @@ def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[s
     """A validated SimConfig from the flags (variant, ranks, lag and seed given apart
     because --compare and the sweep vary them). With ``several`` variants,
     --timeout-steps applies to those that have a timeout."""
-    if ranks < 1:
-        raise SimInputError(f"--ranks: must be >= 1, got {ranks}")
+    if not 1 <= ranks <= MAX_RANKS:
+        raise SimInputError(f"--ranks: must be in 1..{MAX_RANKS}, got {ranks}")
     timeout = args.timeout_steps
     if several and variant in VARIANTS and VARIANTS[variant].timeout_steps is None:
         timeout = None
@@ -139,13 +166,54 @@ def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[s
         fence_delay=parse_dist(args.fence_delay, "--fence-delay"),
         fail_prob=args.fail_prob, lost_metadata_prob=args.lost_metadata_prob,
         late_write=parse_dist(args.late_write, "--late-write") if args.late_write else None,
-        stalls=tuple(parse_stall(s, ranks) for s in args.stall))
+        stalls=tuple(parse_stall(s, ranks) for s in args.stall),
+        max_sim_s=args.max_sim_seconds, max_steps=args.max_steps)
     return cfg.validate()
 
 
-def build_workload(args: argparse.Namespace, rate: float, seed: int) -> Workload:
+def _window(text: str) -> tuple[float, float]:
+    start, sep, end = text.partition(":")
+    try:
+        lo, hi = float(start), float(end)
+    except ValueError:
+        raise SimInputError(f"--trace-window: {text!r} must be START:END in seconds") from None
+    if not sep or not (math.isfinite(lo) and math.isfinite(hi)) or not 0 <= lo < hi:
+        raise SimInputError(f"--trace-window: {text!r} must be START:END seconds with 0 <= START < END")
+    return lo, hi
+
+
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """A flag that has no meaning for the chosen workload is refused, never ignored."""
+    def given(name: str) -> bool:
+        return getattr(args, name, None) is not None
+
     if args.trace_in:
-        return load_trace(args.trace_in, args.requests)
-    return synthetic(stream(seed, "workload"), args.requests, rate, args.burstiness,
-                     parse_dist(args.input_len, "--input-len"),
-                     parse_dist(args.output_len, "--output-len"))
+        for name in ("burstiness", "input_len", "output_len"):
+            if given(name):
+                raise SimInputError(f"--{name.replace('_', '-')}: does not apply to a replay "
+                                    f"(--trace-in gives arrivals and lengths)")
+        if given("time_scale") and given("rate"):
+            raise SimInputError("--time-scale: give either --time-scale or --rate (a target mean "
+                                "rate) for a replay, not both")
+    else:
+        for name in ("trace_window", "time_scale", "prefix_cache_blocks"):
+            if given(name):
+                raise SimInputError(f"--{name.replace('_', '-')}: applies only to a replay (--trace-in)")
+    n = args.requests or DEFAULT_REQUESTS
+    if n > MAX_REQUESTS:
+        raise SimInputError(f"--requests: at most {MAX_REQUESTS}, got {n}")
+
+
+def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
+    """The flags' workload; ``rate`` is the synthetic rate, or a replay's target mean rate."""
+    check_workload_flags(args)
+    if args.trace_in:
+        window = _window(args.trace_window) if args.trace_window else None
+        blocks = DEFAULT_CACHE_BLOCKS if args.prefix_cache_blocks is None else args.prefix_cache_blocks
+        return load_trace(args.trace_in, args.requests, window, blocks,
+                          args.time_scale or 1.0, rate)
+    return synthetic(stream(seed, "workload"), args.requests or DEFAULT_REQUESTS,
+                     DEFAULT_RATE if rate is None else rate,
+                     1.0 if args.burstiness is None else args.burstiness,
+                     parse_dist(args.input_len or DEFAULT_INPUT, "--input-len"),
+                     parse_dist(args.output_len or DEFAULT_OUTPUT, "--output-len"))

@@ -52,29 +52,89 @@ def write_perfetto(path: str, runs: list[RunData]) -> None:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fp, separators=(",", ":"))
 
 
-def write_plots(directory: str, runs: list[RunData]) -> list[str]:
-    """CDFs of TTFT and gate delay, variants overlaid; returns the PNG paths."""
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def _save(fig, directory: str, name: str) -> str:
     os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    fig.savefig(path, metadata={"Software": None})
+    _pyplot().close(fig)
+    return path
+
+
+def write_hazard_plot(directory: str, runs: dict[str, list[RunData]], requests: int) -> str:
+    """Per variant, the fraction of replications still without a break after x requests
+    (a survival curve; replications without a break stay up to the workload's end)."""
+    from sim.hazard import first_break
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for name, reps in runs.items():
+        at = sorted(b["requests"] for b in map(first_break, reps) if b is not None)
+        xs = [0] + at + [requests]
+        ys = [1.0] + [1.0 - (i + 1) / len(reps) for i in range(len(at))] + [1.0 - len(at) / len(reps)]
+        ax.step(xs, ys, where="post", label=f"{name} ({len(at)}/{len(reps)} broke)")
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("fraction of replications without an invariant break")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(f"divergence hazard, {next(iter(runs.values()))[0].cfg.ranks} ranks")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, directory, "hazard.png")
+
+
+def write_plots(directory: str, runs: list[RunData], ideal: RunData | None = None) -> list[str]:
+    """CDFs of TTFT and gate delay, variants overlaid (and the ideal reference: ungated
+    with every row visible with its KV); returns the PNG paths."""
+    plt = _pyplot()
     paths = []
     for fname, title, metric in (("ttft_cdf.png", "TTFT", ttft_ms),
                                  ("gate_delay_cdf.png", "gate delay", gate_delay_ms)):
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-        for run in runs:
+        for run in runs + ([ideal] if ideal is not None else []):
             x = np.sort(metric(run))
             if len(x):
-                label = run.cfg.variant + (" (diverged)" if run.divergence else "")
-                ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
+                label = ("ideal (metadata with its KV)" if run is ideal else
+                         run.cfg.variant + (" (diverged)" if run.divergence else ""))
+                ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label,
+                        linestyle=":" if run is ideal else "-", color="black" if run is ideal else None)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylabel("fraction of committed requests")
         ax.set_title(f"{title} CDF, {runs[0].cfg.ranks} ranks")
         ax.grid(True, alpha=0.3)
         ax.legend()
-        path = os.path.join(directory, fname)
-        fig.savefig(path, metadata={"Software": None})
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(fig, directory, fname))
     return paths
+
+
+def write_sweep_plot(directory: str, rows: list[dict[str, Any]]) -> str:
+    """TTFT p99 against the arrival rate, one line per (variant, ranks, lag); a diverged
+    cell is marked with an x (its TTFT covers only the requests before the break)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=100)
+    lines: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("rate") not in (None, "") and r.get("ttft_p99_ms") not in (None, ""):
+            lines.setdefault((r["variant"], r["ranks"], r["metadata_lag"]), []).append(r)
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]   # overlapping lines stay visible
+    for j, ((variant, ranks, lag), rs) in enumerate(lines.items()):
+        rs.sort(key=lambda r: float(r["rate"]))
+        x = [float(r["rate"]) for r in rs]
+        y = [float(r["ttft_p99_ms"]) for r in rs]
+        marker, style = styles[j % len(styles)]
+        (line,) = ax.plot(x, y, marker=marker, linestyle=style, markerfacecolor="none",
+                          label=f"{variant}, {ranks} ranks, lag {lag}")
+        bad = [(a, b) for a, b, r in zip(x, y, rs) if str(r["diverged"]) == "True"]
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=80, color=line.get_color())
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("TTFT p99 (ms, log scale)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT p99 vs rate (x: diverged, TTFT of the requests before the break)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, directory, "ttft_p99_vs_rate.png")

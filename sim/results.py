@@ -64,6 +64,8 @@ def summarize(run: RunData, wall_clock: bool = True) -> dict[str, Any]:
         "seed": run.cfg.seed,
         "variant_rules": run.variant.describe(),
         "workload": run.workload.source,
+        "trace": run.workload.info,
+        "cut_short": run.cut_short,
     }
     return out
 
@@ -84,6 +86,13 @@ def table(rows: list[dict[str, Any]], keys: tuple[str, ...] = SUMMARY_KEYS) -> s
                        for j in range(len(keys))) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def step_note(run: RunData) -> str:
+    """Gate delay is measured in scheduler steps: say which step time it reflects."""
+    return (f"note: gate delay is bounded by the decode step (--forward {run.cfg.forward}): a row "
+            f"that lands just after a poll waits for the next one; give a measured step time "
+            f"distribution with --forward empirical:FILE")
 
 
 def divergence_line(summary: dict[str, Any]) -> str | None:

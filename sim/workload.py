@@ -1,21 +1,19 @@
 """The workload: when requests arrive and how long their prompts and outputs are.
 
 Synthetic: Poisson, or Gamma inter-arrivals with a burstiness shape (1 = Poisson, as in
-SGLang's ``bench_serving --burstiness``). Replay: Mooncake-style JSONL and Azure-style CSV.
+SGLang's ``bench_serving --burstiness``). Replay: the published traces of sim/traces.py.
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
 from sim.dists import Dist
 from sim.errors import SimInputError
+from sim.traces import DEFAULT_CACHE_BLOCKS, MAX_TOKENS, read_trace
 
 
 @dataclass(frozen=True)
@@ -24,6 +22,9 @@ class Workload:
     input_len: np.ndarray      # int64 tokens >= 1
     output_len: np.ndarray     # int64 tokens >= 1
     source: str
+    failed: np.ndarray | None = None          # bool: a trace's failed request (0 output tokens)
+    cached_tokens: np.ndarray | None = None   # int64: prompt tokens found in the prefix cache
+    info: dict | None = None                  # what reading the trace found (summary "trace")
 
     def __len__(self) -> int:
         return len(self.arrival_ms)
@@ -41,124 +42,40 @@ def synthetic(rng: np.random.Generator, n: int, rate: float, burstiness: float,
     mean_gap_ms = 1000.0 / rate
     gaps = rng.gamma(burstiness, mean_gap_ms / burstiness, n)
     gaps[0] = 0.0
-    return Workload(np.cumsum(gaps), _tokens(input_len.draw(rng, n)),
-                    _tokens(output_len.draw(rng, n)),
+    return Workload(np.cumsum(gaps), _tokens(input_len.draw(rng, n), "--input-len"),
+                    _tokens(output_len.draw(rng, n), "--output-len"),
                     f"synthetic rate={rate:g}/s burstiness={burstiness:g}")
 
 
-def _tokens(x: np.ndarray) -> np.ndarray:
+def _tokens(x: np.ndarray, flag: str) -> np.ndarray:
+    top = float(np.max(x)) if len(x) else 0.0
+    if not top <= MAX_TOKENS:
+        raise SimInputError(f"{flag}: draws up to {top:.3g} tokens, beyond {MAX_TOKENS} per request")
     return np.maximum(1, np.rint(x)).astype(np.int64)
 
 
-def _nonneg_int(value: object, where: str, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise SimInputError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-    try:
-        num = float(value)
-    except ValueError:
-        raise SimInputError(f"{where}: {name} must be a non-negative integer, got {value!r}") from None
-    if not math.isfinite(num) or num < 0 or num != int(num):
-        raise SimInputError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-    return int(num)
-
-
-def _finish(path: str, rows: list[tuple[float, int, int]], limit: int | None) -> Workload:
-    if not rows:
-        raise SimInputError(f"--trace-in: {path} holds no requests")
-    if limit is not None:
-        rows = rows[:limit]
-    t = np.array([r[0] for r in rows], dtype=np.float64)
-    return Workload(t - t[0], np.maximum(1, np.array([r[1] for r in rows], dtype=np.int64)),
-                    np.maximum(1, np.array([r[2] for r in rows], dtype=np.int64)),
-                    f"trace {Path(path).name}")
-
-
-def _check_order(rows: list, t: float, where: str) -> None:
-    if rows and t < rows[-1][0]:
-        raise SimInputError(f"{where}: timestamp {t:g} ms is earlier than the previous row's")
-
-
-def load_mooncake(path: str, limit: int | None = None) -> Workload:
-    """JSONL rows ``{"timestamp": ms, "input_length": n, "output_length": n, ...}``."""
-    rows: list[tuple[float, int, int]] = []
-    for n, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        where = f"--trace-in: {path} line {n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SimInputError(f"{where}: malformed JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise SimInputError(f"{where}: expected a JSON object")
-        for key in ("timestamp", "input_length", "output_length"):
-            if key not in obj:
-                raise SimInputError(f"{where}: missing {key!r}")
-        t = float(_nonneg_int(obj["timestamp"], where, "timestamp"))
-        _check_order(rows, t, where)
-        rows.append((t, _nonneg_int(obj["input_length"], where, "input_length"),
-                     _nonneg_int(obj["output_length"], where, "output_length")))
-        if limit is not None and len(rows) >= limit:
-            break
-    return _finish(path, rows, limit)
-
-
-def _azure_time_ms(text: str, where: str) -> float:
-    text = text.strip()
-    try:
-        return float(text) * 1000.0          # seconds
-    except ValueError:
-        pass
-    head, dot, frac = text.partition(".")
-    try:
-        stamp = datetime.fromisoformat(head)
-    except ValueError:
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} is neither seconds nor a date-time") from None
-    if dot and not frac.isdigit():
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} has a malformed fraction")
-    return stamp.timestamp() * 1000.0 + (float("0." + frac) * 1000.0 if dot else 0.0)
-
-
-def load_azure(path: str, limit: int | None = None) -> Workload:
-    """CSV with header ``TIMESTAMP,ContextTokens,GeneratedTokens`` (date-time or seconds)."""
-    lines = _lines(path)
-    reader = csv.reader(lines)
-    header = [h.strip() for h in next(reader, [])]
-    want = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-    if any(w not in header for w in want):
-        raise SimInputError(f"--trace-in: {path} line 1: header must name {', '.join(want)}")
-    idx = [header.index(w) for w in want]
-    rows: list[tuple[float, int, int]] = []
-    for row in reader:
-        n = reader.line_num
-        if not row or not any(c.strip() for c in row):
-            continue
-        where = f"--trace-in: {path} line {n}"
-        if len(row) != len(header):
-            raise SimInputError(f"{where}: {len(row)} columns, header has {len(header)}")
-        t = _azure_time_ms(row[idx[0]], where)
-        _check_order(rows, t, where)
-        rows.append((t, _nonneg_int(row[idx[1]].strip(), where, "ContextTokens"),
-                     _nonneg_int(row[idx[2]].strip(), where, "GeneratedTokens")))
-        if limit is not None and len(rows) >= limit:
-            break
-    return _finish(path, rows, limit)
-
-
-def _lines(path: str) -> list[str]:
-    try:
-        return Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise SimInputError(f"--trace-in: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise SimInputError(f"--trace-in: {path} is not UTF-8 text") from None
-
-
-def load_trace(path: str, limit: int | None = None) -> Workload:
-    """By extension: ``.jsonl``/``.json`` -> Mooncake, ``.csv`` -> Azure."""
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return load_mooncake(path, limit)
-    if suffix == ".csv":
-        return load_azure(path, limit)
-    raise SimInputError(f"--trace-in: {path}: unknown format (use .jsonl for Mooncake, .csv for Azure)")
+def load_trace(path: str, limit: int | None = None, window_s: tuple[float, float] | None = None,
+               cache_blocks: int = DEFAULT_CACHE_BLOCKS, time_scale: float = 1.0, target_rate: float | None = None
+               ) -> Workload:
+    """A published trace (sim/traces.py) as a Workload: ``limit`` requests at most (the
+    replay is whole by default), inside ``window_s``, inter-arrival times multiplied by
+    ``time_scale`` or scaled to a mean rate of ``target_rate`` requests/s."""
+    rows = read_trace(path, limit, window_s, cache_blocks)
+    t = np.frombuffer(rows.arrival_ms, dtype=np.float64).copy()
+    span_s = float(t[-1]) / 1000.0
+    if target_rate is not None:
+        if len(t) < 2 or span_s <= 0:
+            raise SimInputError(f"--rate: the replay's requests all arrive at once, so it has no "
+                                f"mean rate to rescale (use --time-scale)")
+        time_scale = (len(t) - 1) / span_s / target_rate
+    t *= time_scale
+    failed = np.frombuffer(rows.failed, dtype=np.int8).astype(bool)
+    info = {"format": rows.fmt, "rows_read": rows.rows_read, "requests": len(rows),
+            "truncated_by_requests": rows.truncated, "window_s": list(window_s) if window_s else None,
+            "time_scale": round(time_scale, 9), "failed_rows": int(failed.sum()),
+            "prefix_cache_blocks": cache_blocks,
+            "prefix_hit_rate": round(rows.cache_hits / rows.cache_lookups, 6) if rows.cache_lookups else 0.0}
+    return Workload(t, np.maximum(1, np.frombuffer(rows.input_len, dtype=np.int64)),
+                    np.maximum(1, np.frombuffer(rows.output_len, dtype=np.int64)),
+                    f"trace {Path(path).name} ({rows.fmt})", failed=failed,
+                    cached_tokens=np.frombuffer(rows.cached_tokens, dtype=np.int64).copy(), info=info)

@@ -71,13 +71,17 @@ def _backend(t: torch.Tensor, backend: str | None) -> str:
     return backend
 
 
-def resolve_variant(variant: str | Variant, timeout_steps: int | None = None) -> Variant:
-    """A spec variant by name (or as given), with strict's timeout overridden.
+def resolve_variant(variant: str | Variant, timeout_steps: int | None = None,
+                    release_timeout_steps: int | None = None) -> Variant:
+    """A spec variant by name (or as given), with strict's timeout and the deferred
+    variants' release timeout overridden where given (by name only).
 
     The queue reads only the Variant's fields, so it runs every variant of the spec: the
     deployable ones (gate, strict) and, for conformance replays, SGLang's history and
     strict's ablations. Unknown names raise ValueError."""
-    return variant if isinstance(variant, Variant) else get_variant(variant, timeout_steps)
+    if isinstance(variant, Variant):      # as given (a trace's own variant): no overrides
+        return variant
+    return get_variant(variant, timeout_steps, release_timeout_steps)
 
 
 def gate_tensor(v: Variant, local: torch.Tensor, room_seen: torch.Tensor,

@@ -21,10 +21,11 @@ from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, Dupl
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_array,
                               gate_tensor, may_pop, numpy_ops_knowing, poll_bytes,
                               resolve_variant)
+from impl.decode.timeouts import GATE_TIMEOUT_S, RELEASE_TIMEOUT_S, STEP_FLOOR_S, steps_for
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.kvpoll import KVPoll
-from model.spec.variants import Variant
+from model.spec.variants import Admission, Deferral, FreeOrder, Variant, get_variant
 
 
 @runtime_checkable
@@ -35,7 +36,10 @@ class KVReceiver(Protocol):
     land in its metadata slot (all fields landed, or prefill acknowledged the abort).
     Variants that fence before reuse (strict) keep a popped request's slot out of the
     free list until it says True; a receiver without the method counts as fenced.
-    It must stay callable after ``clear()``.
+    Optional: ``abort_acknowledged() -> bool``, True once prefill acknowledged the abort
+    of a failed request; the deferred variants (SGLang #35049) hold a failed request's
+    slot until it says True or their release timeout passes; a receiver without it
+    answers ``writes_fenced()``. Both must stay callable after ``clear()``.
     """
 
     def poll(self) -> int: ...
@@ -86,6 +90,36 @@ def _writes_fenced(receiver: Any) -> bool:
     return True if check is None else bool(check())
 
 
+def _abort_acknowledged(receiver: Any) -> bool:
+    check = getattr(receiver, "abort_acknowledged", None)
+    return _writes_fenced(receiver) if check is None else bool(check())
+
+
+def _deployed_variant(variant: str | Variant, timeout_steps: int | None, timeout_s: float | None,
+                      release_timeout_s: float | None, step_floor_s: float) -> Variant:
+    """A variant by name gets its timeouts from seconds (impl.decode.timeouts: 30 s by
+    default, never the proofs' small bounds); ``timeout_steps`` sets strict's count
+    directly. A Variant object (a trace's own) is used as given."""
+    if isinstance(variant, Variant):
+        if timeout_s is not None or release_timeout_s is not None:
+            raise ValueError("timeout_s / release_timeout_s apply to a variant given by name")
+        return resolve_variant(variant)
+    base = get_variant(variant)
+    if timeout_steps is not None and timeout_s is not None:
+        raise ValueError("give strict's timeout as timeout_s or as timeout_steps, not both")
+    if base.timeout_steps is None and timeout_s is not None:
+        raise ValueError(f"variant {variant!r} has no timeout to override")
+    if base.release_timeout_steps is None and release_timeout_s is not None:
+        raise ValueError(f"variant {variant!r} has no release timeout to override")
+    if base.timeout_steps is not None and timeout_steps is None:
+        timeout_steps = steps_for(GATE_TIMEOUT_S if timeout_s is None else timeout_s, step_floor_s)
+    release = None
+    if base.release_timeout_steps is not None:
+        release = steps_for(RELEASE_TIMEOUT_S if release_timeout_s is None else release_timeout_s,
+                            step_floor_s)
+    return resolve_variant(variant, timeout_steps, release)
+
+
 @dataclass
 class StepPlan:
     """The local half of a step: nothing in the queue has changed yet. ``reqs`` is the
@@ -108,8 +142,11 @@ class DecodeTransferQueue:
                  allocator: SlotAllocator, variant: str | Variant = "strict",
                  timeout_steps: int | None = None,
                  collective_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 tracer: Tracer | None = None, exchange: GlooExchange | None = None):
-        self.variant = resolve_variant(variant, timeout_steps)
+                 tracer: Tracer | None = None, exchange: GlooExchange | None = None,
+                 *, timeout_s: float | None = None, release_timeout_s: float | None = None,
+                 step_floor_s: float = STEP_FLOOR_S):
+        self.variant = _deployed_variant(variant, timeout_steps, timeout_s, release_timeout_s,
+                                         step_floor_s)
         if allocator.size != metadata_buffers.size:
             raise ValueError(f"allocator has {allocator.size} slots, buffers {metadata_buffers.size}")
         self.buffers, self.allocator, self.tracer = metadata_buffers, allocator, tracer
@@ -141,6 +178,9 @@ class DecodeTransferQueue:
         self._views: tuple = ()
         self._refresh_views()
         self._quarantine: list[DecodeRequest] = []
+        self._held: list[list[Any]] = []                 # [request, steps held]: deferred slots
+        self._seq: dict[str, int] = {}                   # rid -> enqueue order, while it holds a slot
+        self._added = 0
         self.steps = 0
 
     # -- queue contents -------------------------------------------------------------
@@ -154,6 +194,38 @@ class DecodeTransferQueue:
     @property
     def quarantined(self) -> list[DecodeRequest]:
         return list(self._quarantine)
+
+    @property
+    def held(self) -> list[DecodeRequest]:
+        """Failed requests whose slots a deferred variant still holds (SGLang #35049)."""
+        return [d for d, _ in self._held]
+
+    # -- admission ------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Requests this rank could take now: its free metadata slots (quarantined and
+        held slots are not free; slots whose writes got fenced are released first)."""
+        self.release_fenced()
+        return self.allocator.available_size()
+
+    def admissible(self, wanted: int) -> int:
+        """How many of the caller's next ``wanted`` requests to take. Agreed admission
+        (every deployable variant): the MIN over ranks of what each can take, one
+        all-reduce, so every rank of the group must call it in the same step with the
+        same ``wanted``. Local admission (SGLang's, the deferred variants): this rank's
+        own capacity, no collective (the spec shows the queues can then diverge)."""
+        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0:
+            raise ValueError(f"wanted must be an integer >= 0, got {wanted!r}")
+        n = min(wanted, self.capacity())
+        if self.variant.admission is Admission.AGREED:
+            n = int(self.exchange.all_reduce_min(torch.tensor([n], dtype=torch.int64))[0])
+        return n
+
+    def admit(self, candidates: Sequence[tuple[Req, KVReceiver]]) -> list[DecodeRequest]:
+        """The admit step: enqueue the first ``admissible(len(candidates))`` candidates,
+        in order, on this rank (every rank with the same candidates); the rest stay
+        with the caller (its prealloc queue) for a later step."""
+        n = self.admissible(len(candidates))
+        return [self.enqueue(req, receiver) for req, receiver in candidates[:n]]
 
     def add(self, decode_req: DecodeRequest) -> None:
         """Queue a request whose slot the caller allocated; refuses bad input untouched."""
@@ -178,6 +250,8 @@ class DecodeTransferQueue:
             self._rooms[room] = req.rid
         self._holders[idx] = req.rid
         self._rids.add(req.rid)
+        self._seq[req.rid] = self._added
+        self._added += 1
         self._pending.append(decode_req)
 
     def enqueue(self, req: Req, receiver: KVReceiver) -> DecodeRequest:
@@ -233,7 +307,30 @@ class DecodeTransferQueue:
         except CollectiveLengthMismatch as exc:
             self._trace(plan, (), (), hang=exc.lengths, error=str(exc))
             raise
-        return self.finish_step(plan, reduced)
+        due = self.release_due() if self._held else None
+        if due is not None and self.variant.defer_failed is Deferral.AGREED:
+            # MIN of "can release" over ranks: the held lists agree (holds follow the
+            # agreed MIN), so every rank sends one flag per held slot in the same order
+            due = self.exchange.all_reduce_min(torch.from_numpy(due)).numpy()
+        return self.finish_step(plan, reduced, due)
+
+    def release_due(self) -> np.ndarray:
+        """Count this step for every held slot; 1 where this rank could release it now
+        (prefill acknowledged the abort, or it was held the release timeout's steps)."""
+        limit = self.variant.release_timeout_steps
+        for h in self._held:
+            h[1] += 1
+        return np.array([_abort_acknowledged(d.kv_receiver) or (limit is not None and n >= limit)
+                         for d, n in self._held], dtype=np.uint8)
+
+    def _release_held(self, due: np.ndarray) -> None:
+        """Free the held slots that are due (in enqueue order, as machine._release_held)."""
+        if len(due) != len(self._held):
+            raise ValueError(f"{len(due)} release flags for {len(self._held)} held slots")
+        out = [d for (d, _), ok in zip(self._held, due) if ok]
+        self._held = [h for h, ok in zip(self._held, due) if not ok]
+        for d in sorted(out, key=lambda d: self._seq[d.req.rid]):
+            self._free(d.metadata_buffer_index, d)
 
     def begin_step(self) -> StepPlan:
         """Poll every receiver and gate locally. Changes nothing; a bad poll is kept in
@@ -270,11 +367,15 @@ class DecodeTransferQueue:
         timeout = self.variant.timeout_steps
         return age if timeout is not None and age.size and int(age.max()) >= timeout else 0
 
-    def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray
-                    ) -> list[Committed | Aborted]:
-        """Apply the agreed MIN: pop, read committed rows, clear and free (or fence) slots."""
+    def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray,
+                    release_due: np.ndarray | None = None) -> list[Committed | Aborted]:
+        """Apply the agreed MIN: release held slots that are due (``release_due``, agreed
+        by ``pop_transferred``; None: this rank's own ``release_due()``), then pop, read
+        committed rows, clear and free (or fence, or hold) slots."""
         if plan.error is not None:
             raise plan.error
+        if self._held:
+            self._release_held(self.release_due() if release_due is None else release_due)
         reduced = reduced.numpy() if isinstance(reduced, torch.Tensor) else reduced
         if not reduced.tobytes().translate(None, self._stay):   # no MIN value can pop anything
             return self._keep_all(plan, reduced)
@@ -332,8 +433,13 @@ class DecodeTransferQueue:
                 results.append(Committed(d, slot, first, fields))
             else:
                 results.append(Aborted(d, slot, Decision(kind), self._reason(d, Decision(kind), slot)))
-        for r in results:
-            self._release(r.decode_req)
+        order: Sequence[int] = range(len(results))
+        if self.variant.free_order is FreeOrder.SET and len(results) > 1:
+            # SGLang frees in the iteration order of a set of queue positions
+            at = {pos: i for i, pos in enumerate(positions.tolist())}
+            order = [at[pos] for pos in set(at)]
+        for i in order:
+            self._release(results[i].decode_req, results[i].decision)
         return results
 
     def _read_rows(self, slots: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
@@ -354,34 +460,47 @@ class DecodeTransferQueue:
         return (f"slot {slot} holds bootstrap_room {seen}, expected {d.req.bootstrap_room} "
                 "(another request's metadata)")
 
-    def _release(self, d: DecodeRequest) -> None:
+    def _release(self, d: DecodeRequest, decision: Decision = Decision.COMMIT) -> None:
         self._rids.discard(d.req.rid)
         if d.is_fake:
             self._fakes -= 1
         else:
             self._rooms.pop(d.req.bootstrap_room, None)
         d.kv_receiver.clear()
-        if self.variant.fence_before_reuse and not _writes_fenced(d.kv_receiver):
+        if decision is Decision.ABORT_FAILED and self.variant.defer_failed is not Deferral.NONE:
+            self._held.append([d, 0])
+        elif self.variant.fence_before_reuse and not _writes_fenced(d.kv_receiver):
             self._quarantine.append(d)
         else:
-            self._free(d.metadata_buffer_index)
+            self._free(d.metadata_buffer_index, d)
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int, d: DecodeRequest) -> None:
         if self.variant.clear_on_free:
             self.buffers.clear_slot(slot)
         del self._holders[slot]
+        self._seq.pop(d.req.rid, None)
         self.allocator.free(slot)
 
     def release_fenced(self) -> list[int]:
-        """Free quarantined slots whose writes are fenced now, in quarantine order."""
+        """Free quarantined slots whose writes are fenced now, in quarantine order, and
+        (local deferral) held slots whose abort prefill acknowledged."""
         freed, still = [], []
         for d in self._quarantine:
             if _writes_fenced(d.kv_receiver):
-                self._free(d.metadata_buffer_index)
+                self._free(d.metadata_buffer_index, d)
                 freed.append(d.metadata_buffer_index)
             else:
                 still.append(d)
         self._quarantine = still
+        if self._held and self.variant.defer_failed is Deferral.LOCAL:
+            kept = []
+            for h in self._held:
+                if _abort_acknowledged(h[0].kv_receiver):
+                    self._free(h[0].metadata_buffer_index, h[0])
+                    freed.append(h[0].metadata_buffer_index)
+                else:
+                    kept.append(h)
+            self._held = kept
         return freed
 
     def _trace(self, plan: StepPlan, reduced: Any, popped: Sequence[tuple[str, int, int]],
@@ -402,4 +521,4 @@ class DecodeTransferQueue:
                 tuple(self._real.tolist()), tuple(sorted(self._rooms.items())),
                 tuple(sorted(self._holders.items())),
                 tuple(d.req.rid for d in self._quarantine), self.steps,
-                tuple(self.allocator.free_list()))
+                tuple(self.allocator.free_list()), tuple((d.req.rid, n) for d, n in self._held))

@@ -59,10 +59,13 @@ class TraceWriter:
     """Writes one trace. ``t`` (milliseconds, simulated or wall) is optional on any record."""
 
     def __init__(self, fp: IO[str], variant: str, ranks: int, slots: int, source: str,
-                 timeout_steps: int | None = None, **extra: Any):
+                 timeout_steps: int | None = None, release_timeout_steps: int | None = None,
+                 **extra: Any):
         self.fp = fp
         header = {"kind": "header", "format": FORMAT, "version": VERSION, "variant": variant,
                   "ranks": ranks, "slots": slots, "timeout_steps": timeout_steps, "source": source}
+        if release_timeout_steps is not None:     # only the deferred variants have one
+            header["release_timeout_steps"] = release_timeout_steps
         header.update(extra)
         self._write(header)
 
@@ -95,12 +98,14 @@ class Header:
     slots: int
     timeout_steps: int | None
     source: str
+    release_timeout_steps: int | None = None     # the deferred variants' (absent: default)
 
     def spec_variant(self, name: str | None = None) -> Variant:
-        """The named variant (default: the header's), with the header's timeout where
-        that variant has one."""
+        """The named variant (default: the header's), with the header's timeouts where
+        that variant has them."""
         base = get_variant(name or self.variant)
-        return get_variant(base.name, self.timeout_steps) if base.timeout_steps else base
+        return get_variant(base.name, self.timeout_steps if base.timeout_steps else None,
+                           self.release_timeout_steps if base.release_timeout_steps else None)
 
 
 def _int(obj: dict, key: str, line: int, lo: int = 0, hi: int | None = None) -> int:
@@ -132,15 +137,16 @@ def parse_header(obj: Any, line: int) -> Header:
         raise TraceFormatError(line, f"unsupported trace version {version!r:.40}")
     if not isinstance(variant, str) or variant not in VARIANTS and variant not in ABLATIONS:
         raise TraceFormatError(line, f"unknown variant {variant!r:.60}")
-    timeout = obj.get("timeout_steps")
-    if timeout is not None:
-        timeout = _int(obj, "timeout_steps", line, 1, MAX_TIMEOUT_STEPS)
+    timeouts = {}
+    for key in ("timeout_steps", "release_timeout_steps"):
+        timeouts[key] = None if obj.get(key) is None else _int(obj, key, line, 1, MAX_TIMEOUT_STEPS)
     ranks = _int(obj, "ranks", line, 1, MAX_RANKS)
     slots = _int(obj, "slots", line, 1, MAX_SLOTS)
     if ranks * slots > MAX_RANK_SLOTS:
         raise TraceFormatError(line, f"header: ranks x slots = {ranks * slots} exceeds "
                                      f"{MAX_RANK_SLOTS}")
-    return Header(obj["variant"], ranks, slots, timeout, str(obj.get("source", "")))
+    return Header(variant, ranks, slots, timeouts["timeout_steps"], str(obj.get("source", "")),
+                  timeouts["release_timeout_steps"])
 
 
 def _parse_rank_step(obj: Any, line: int, ranks: int) -> RankStep:

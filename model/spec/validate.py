@@ -19,7 +19,7 @@ from model.spec.state import SystemState, initial_state
 from model.spec.trace import (MAX_CLAIMS, TraceFormatError, TraceInputError, _int, event_record,
                               open_records, parse_record, read_trace_file, require_enqueued,
                               require_nothing_after)
-from model.spec.variants import VARIANTS
+from model.spec.variants import ABLATIONS, VARIANTS
 
 
 @dataclass
@@ -112,8 +112,8 @@ def _show(rec: Event) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="NDJSON trace (docs/trace-format.md)")
-    p.add_argument("--variant", choices=sorted(VARIANTS),
-                   help="replay against this variant instead of the header's")
+    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS]),
+                   help="replay against this variant or ablation instead of the header's")
 
 
 def violation_line(result: ValidationResult) -> str | None:

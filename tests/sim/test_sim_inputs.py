@@ -8,7 +8,7 @@ import pytest
 
 from sim.dists import parse_dist, parse_rank_dists, parse_skew
 from sim.errors import SimInputError
-from sim.workload import load_azure, load_mooncake, load_trace, synthetic
+from sim.workload import load_trace, synthetic
 
 DATA = Path(__file__).resolve().parents[2] / "sim" / "data"
 
@@ -83,8 +83,8 @@ def test_shipped_samples_load():
     for wl in (moon, azure):
         assert len(wl) == 200 and wl.arrival_ms[0] == 0.0
         assert (np.diff(wl.arrival_ms) >= 0).all() and (wl.input_len >= 1).all()
-    assert load_mooncake(str(DATA / "mooncake_sample.jsonl"), 10).input_len.tolist() == moon.input_len[:10].tolist()
-    assert len(load_azure(str(DATA / "azure_sample.csv"), 5)) == 5
+    assert load_trace(str(DATA / "mooncake_sample.jsonl"), 10).input_len.tolist() == moon.input_len[:10].tolist()
+    assert len(load_trace(str(DATA / "azure_sample.csv"), 5)) == 5
 
 
 def test_samples_are_what_the_generator_writes(tmp_path, monkeypatch):

@@ -41,8 +41,8 @@ def test_capacity_search_brackets_the_target(tmp_path, capsys):
     p = argparse.ArgumentParser()
     sweep.add_arguments(p)
     args = p.parse_args(argv)
-    assert sweep._simulate(args, "gate", 4, "exp:0.3", cap)["ttft_p99_ms"] <= 600
-    assert sweep._simulate(args, "gate", 4, "exp:0.3", hi)["ttft_p99_ms"] > 600
+    assert sweep._simulate(args, "gate", 4, "exp:0.3", cap)[0]["ttft_p99_ms"] <= 600
+    assert sweep._simulate(args, "gate", 4, "exp:0.3", hi)[0]["ttft_p99_ms"] > 600
 
 
 @pytest.mark.parametrize("argv,flag", [(["--rate", "0"], "--rate"), (["--ranks", "0,2"], "--ranks"),
@@ -60,9 +60,22 @@ def test_sweep_bad_input_exit_2(argv, flag, tmp_path, capsys):
 def test_common_random_numbers_across_variants():
     wl = workload(100)
     a, b = draw(config(variant="gate"), wl), draw(config(variant="strict", no_clear=True), wl)
+    a, b = a.chunk(0), b.chunk(0)
     for field in ("xfer_ms", "lag_ms", "fail_rank", "fence_ms"):
         assert np.array_equal(getattr(a, field), getattr(b, field))
     assert a.room == b.room and a.payload == b.payload
+
+
+def test_a_requests_draws_do_not_depend_on_the_workload_length_or_chunk_order():
+    from sim.draws import CHUNK
+    long = draw(config(variant="gate", fail_prob=0.3), workload(CHUNK + 50))
+    short = draw(config(variant="gate", fail_prob=0.3), workload(60))
+    first = long.chunk(1)                      # drawn out of order, then again after eviction
+    assert np.array_equal(short.chunk(0).lag_ms, long.chunk(0).lag_ms[:60])
+    long.kept.clear()
+    again = long.chunk(1)
+    assert np.array_equal(first.xfer_ms, again.xfer_ms) and first.room == again.room
+    assert len(first.room) == 50
 
 
 def test_mean_ci_and_paired_cost():

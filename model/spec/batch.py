@@ -1,0 +1,174 @@
+"""The protocol step and a request's environment events over all ranks at once, for drivers that take many steps (the simulator).
+
+``step_pops(state)`` is ``apply(state, Step(), detail=False)``: the same transition and
+the same record (tests/spec/test_spec_batch.py checks them step for step on random
+walks of every variant). It computes the gate and the MIN request by request over the
+ranks with the kernel's tables (``kernel.gate_table`` / ``pop_table``), instead of one
+list per rank and a ``min_reduce`` over them, and it does no per-rank work beyond the
+age count when the MIN keeps every request (most steps). Whenever the ranks' queues
+differ (a divergence in the making, or local admission) or the variant defers slot
+releases, machine.py does the step, and when a request pops machine.py's per-rank
+``_pop`` decides and releases, so the pop and release rules have one implementation.
+
+``deliver(state, req, codes)`` performs one request's KV and metadata events on any
+ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
+``apply`` of KvDone / Fail / Land one by one, with the same refusals (it hands any event
+that would be refused to machine.py, which raises), minus an event object and a
+dispatch per event (also checked against apply in tests/spec/test_spec_batch.py).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from model.spec.events import PAYLOAD, ROOM, Step
+from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
+                                _require_live, _tables, _writes_done, apply)
+from model.spec.kvpoll import KVPoll
+from model.spec.state import PAYLOAD_BIT, ROOM_BIT, SystemState
+from model.spec.variants import Deferral
+
+_STEP = Step()
+_NO_POPS: dict[int, tuple[tuple, ...]] = {}     # ranks -> ((),) * ranks
+_BY_ID: dict[int, tuple] = {}                   # id(variant) -> (variant, its tables)
+_DECODE: dict[int, tuple[tuple[int, int], ...]] = {}   # ranks -> code -> (kind, rank)
+
+
+def _tables_of(v) -> tuple:
+    """machine._tables(v) without hashing ``v`` every step (the variant is kept alive in
+    the entry, so its id cannot be reused while the entry exists)."""
+    hit = _BY_ID.get(id(v))
+    if hit is None or hit[0] is not v:
+        hit = _BY_ID[id(v)] = (v, _tables(v))
+    return hit[1]
+
+
+def step_pops(state: SystemState) -> StepPops:
+    """One protocol step on every rank; ``apply(state, Step(), detail=False)``."""
+    return _step(state)[0]
+
+
+def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
+    """step_pops, and the reduced values when every rank's queue was the same and every
+    request was kept (else None)."""
+    ranks = state.ranks
+    queue = ranks[0].queue
+    if state.variant.defer_failed is not Deferral.NONE:   # held slots count steps: general code
+        return apply(state, _STEP, detail=False), None
+    for rs in ranks:
+        if rs.queue != queue:            # a MIN over different requests: the general code
+            return apply(state, _STEP, detail=False), None
+    _require_live(state)
+    gate, pop, keeps = _tables_of(state.variant)
+    timeout = state.variant.timeout_steps
+    requests = state.requests
+    reduced = []
+    popping = False
+    for r in queue:
+        expected = requests[r].room
+        zero_expected = (expected == 0) << 2
+        low = 4                          # KVPoll.Success, the largest value
+        for rs in ranks:
+            seen = rs.room_at[rs.slot_of[r]]
+            i = rs.recv[r] * 16 + ((seen == 0) | (seen == expected) << 1 | zero_expected)
+            if timeout is not None and rs.age[r] >= timeout:
+                i += 8
+            g = gate[i]
+            if g < low:
+                low = g
+        reduced.append(low)
+        if not keeps[low]:
+            popping = True
+    step_no = state.steps
+    state.steps += 1
+    if popping:
+        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks)), None
+    return _all_kept(state, queue, reduced, step_no), reduced
+
+
+def _all_kept(state: SystemState, queue: list[int], reduced: list[int], step_no: int) -> StepPops:
+    """_pop's every-request-kept case on every rank: only the ages move."""
+    ranks = state.ranks
+    for rs in ranks:
+        age = rs.age
+        for red, r in zip(reduced, queue):
+            if red >= _AGES_FROM:
+                age[r] += 1
+    empty = _NO_POPS.get(len(ranks))
+    if empty is None:
+        empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
+    return StepPops(step_no, empty)
+
+
+class Stepper:
+    """``step_pops`` for a driver that knows when no event happened between two steps
+    (the simulator counts every delivery). After a step that kept every request with
+    every rank's queue the same, a step with no event in between finds the same
+    receivers, rows and queues, so it reduces to the same values and keeps every request
+    again: only the ages move, and strict's timeout is checked on them (a request whose
+    age reached it takes the full step). ``quiet=False`` always takes the full step."""
+
+    def __init__(self, state: SystemState):
+        self.state = state
+        self._kept: tuple[list[int], int, list[int]] | None = None   # queue, its length, reduced
+
+    def step(self, quiet: bool) -> StepPops:
+        state, kept = self.state, self._kept
+        if quiet and kept is not None and state.hung is None:
+            queue, n, reduced = kept
+            timeout = state.variant.timeout_steps
+            if state.ranks[0].queue is queue and len(queue) == n and (
+                    timeout is None or all(rs.age[r] < timeout for rs in state.ranks for r in queue)):
+                step_no = state.steps
+                state.steps += 1
+                return _all_kept(state, queue, reduced, step_no)
+        rec, reduced = _step(state)
+        self._kept = None if reduced is None else (state.ranks[0].queue, len(reduced), reduced)
+        return rec
+
+
+# deliver()'s event kinds (code = kind * ranks + rank)
+KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS = range(4)
+_LATCH = (int(KVPoll.Success), int(KVPoll.Failed))
+_SUCCESS, _FAILED = _LATCH
+_WHAT = ("kv_done", "fail")
+
+
+def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
+    """``apply`` of each encoded event of request ``req`` in order (see the module doc);
+    a refused event raises EventNotEnabled after the ones before it were performed."""
+    _require_live(state)
+    ranks = state.ranks
+    n = len(ranks)
+    written = state.requests.get(req)
+    room_after = state.variant.room_after_payload
+    decode = _DECODE.get(n)
+    if decode is None:
+        decode = _DECODE[n] = tuple(divmod(c, n) for c in range(4 * n))
+    for code in codes:
+        if not 0 <= code < 4 * n:
+            raise EventNotEnabled(f"deliver: event code {code} is not one of 0..{4 * n - 1}")
+        kind, k = decode[code]
+        rs = ranks[k]
+        if kind < PAYLOAD_LANDS:
+            recv = rs.recv
+            current = recv.get(req)
+            # machine._latch's rule: latched, except a Failed overrides a Success
+            if current is None or current == _FAILED or (current == _SUCCESS and kind == KV_DONE):
+                _latch(state, k, req, _LATCH[kind], _WHAT[kind])   # raises the refusal
+                continue
+            recv[req] = _LATCH[kind]
+            continue
+        landed = rs.landed.get(req)
+        bit = ROOM_BIT if kind == ROOM_LANDS else PAYLOAD_BIT
+        if (landed is None or landed & bit or req in rs.fenced
+                or (room_after and bit == ROOM_BIT and not landed & PAYLOAD_BIT)):
+            _land(state, k, req, ROOM if bit == ROOM_BIT else PAYLOAD)   # raises the refusal
+            continue
+        slot = rs.slot_of[req]
+        if bit == ROOM_BIT:
+            rs.room_at[slot] = written.room
+        else:
+            rs.payload_at[slot] = written.payload
+        rs.landed[req] = landed | bit
+        if req in rs.outcomes:
+            _writes_done(state, rs, req)

@@ -1,0 +1,123 @@
+"""``batch.step_pops`` (the simulator's protocol step) is ``apply(state, Step(),
+detail=False)``: the same record and the same state after every step of random walks
+of every variant, timeouts, divergences and hangs included; ``batch.deliver`` is
+``apply`` of KvDone / Fail / Land, refusals included."""
+import random
+
+import pytest
+
+from model.spec.batch import (KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver,
+                              step_pops)
+from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, KvDone, Land, Step
+from model.spec.machine import EventNotEnabled, StepPops, apply
+from model.spec.state import initial_state
+from model.spec.variants import ABLATIONS, VARIANTS, get_variant
+
+from .walks import random_walk
+
+ALL = [*VARIANTS.values(), *ABLATIONS.values(), get_variant("strict", 1), get_variant("strict", 2)]
+
+
+def _step(fn, state):
+    try:
+        return fn(state)
+    except EventNotEnabled as exc:
+        return str(exc)
+
+
+def test_step_pops_matches_apply_step_for_step():
+    rng = random.Random(11)
+    steps = pops = differing = 0
+    for _ in range(300):
+        ref = initial_state(rng.choice(ALL), rng.randint(1, 4), rng.randint(1, 3))
+        fast = ref.copy()
+        for ev, _ in random_walk(rng, ref, 60):
+            if isinstance(ev, Step):
+                steps += 1
+                differing += any(rs.queue != fast.ranks[0].queue for rs in fast.ranks)
+                want = _step(lambda s: apply(s, ev, detail=False), ref)
+                got = _step(step_pops, fast)
+                assert got == want
+                pops += isinstance(want, StepPops) and any(want.popped)
+            else:
+                apply(ref, ev)
+                apply(fast, ev)
+            assert fast.key() == ref.key() and fast.steps == ref.steps
+    # the walks reach the popping, the all-kept and the differing-queue cases
+    assert steps > 2000 and pops > 300 and differing >= 3
+
+
+def test_stepper_repeats_quiet_kept_steps_exactly():
+    """Stepper.step(quiet=True) right after a step (no event between) equals apply."""
+    rng = random.Random(13)
+    quiet_steps = 0
+    for _ in range(300):
+        ref = initial_state(rng.choice(ALL), rng.randint(1, 4), rng.randint(1, 3))
+        fast = ref.copy()
+        stepper = Stepper(fast)
+        previous_was_step = False
+        for ev, _ in random_walk(rng, ref, 60):
+            if isinstance(ev, Step):
+                want = _step(lambda s: apply(s, ev, detail=False), ref)
+                got = _step(lambda s: stepper.step(quiet=previous_was_step), fast)
+                quiet_steps += previous_was_step
+                assert got == want
+            else:
+                apply(ref, ev)
+                apply(fast, ev)
+            previous_was_step = isinstance(ev, Step)
+            assert fast.key() == ref.key() and fast.steps == ref.steps
+    assert quiet_steps > 300
+
+
+def test_stepper_must_not_be_told_quiet_after_an_event():
+    """The machinery can say no: promising quiet after a delivery repeats a stale step."""
+    state = initial_state(VARIANTS["gate"], 2, 2)
+    apply(state, Enqueue(1, 11, 5))
+    stepper = Stepper(state)
+    stepper.step(quiet=False)
+    for k in (0, 1):
+        apply(state, KvDone(k, 1))
+        apply(state, Land(k, 1, PAYLOAD))
+        apply(state, Land(k, 1, ROOM))
+    ref = state.copy()
+    assert apply(ref, Step(), detail=False).popped != stepper.step(quiet=True).popped
+
+
+def test_step_pops_refuses_a_hung_state_like_apply():
+    state = initial_state(VARIANTS["ungated"], 2, 1)
+    state.hung = (1, 0)
+    with pytest.raises(EventNotEnabled, match="hung in a mismatched collective"):
+        step_pops(state)
+
+
+def _code(ev, ranks: int) -> int:
+    kind = {KvDone: KV_DONE, Fail: KV_FAILED}.get(type(ev))
+    if kind is None:
+        kind = ROOM_LANDS if ev.field == ROOM else PAYLOAD_LANDS
+    return kind * ranks + ev.rank
+
+
+def test_deliver_matches_apply_including_refused_events():
+    rng = random.Random(12)
+    delivered = refused = 0
+    for _ in range(200):
+        ref = initial_state(rng.choice(ALL), rng.randint(1, 3), rng.randint(1, 3))
+        fast = ref.copy()
+        n = ref.n_ranks
+        for ev, nxt in random_walk(rng, ref, 50):
+            apply(ref, ev)
+            if isinstance(ev, (KvDone, Fail, Land)):
+                deliver(fast, ev.req, [_code(ev, n)])
+                delivered += 1
+            else:
+                apply(fast, ev)
+            k, r = rng.randrange(n), rng.randint(0, nxt + 1)
+            odd = rng.choice([KvDone(k, r), Fail(k, r), Land(k, r, rng.choice([ROOM, PAYLOAD]))])
+            msg = _step(lambda s: apply(s, odd), ref)
+            assert _step(lambda s: deliver(s, odd.req, [_code(odd, n)]), fast) == msg
+            refused += msg is not None
+            assert fast.key() == ref.key()
+    assert delivered > 1000 and refused > 1000
+    with pytest.raises(EventNotEnabled, match="event code"):
+        deliver(initial_state(VARIANTS["gate"], 2, 1), 0, [8])
