@@ -152,7 +152,7 @@ def verdict_traces() -> dict[str, bytes]:
         "SlotsExhausted": _text([json.dumps({**json.loads(good[0]), "slots": 1}),
                                  '{"kind":"enqueue","req":0,"room":77,"payload":5}',
                                  '{"kind":"enqueue","req":1,"room":78,"payload":6}',
-                                 '{"kind":"end","steps":0}']),  # validate: 1, replay: 2
+                                 '{"kind":"end","steps":0}']),  # validate: 1, replay: 1
     }
 
 

@@ -102,8 +102,9 @@ def test_replay_refuses_what_validate_calls_malformed_before_starting_ranks(case
 
 def test_verdict_traces_get_a_verdict_not_a_crash(tmp_path, capsys):
     """Well-formed traces the spec rejects or accepts: a verdict from validate; replay
-    refuses a trace without its end and the impl's SlotsExhausted is bad input (2)."""
-    expected = {"no end": (1, 2), "bare steps": (0, 0), "SlotsExhausted": (1, 2)}
+    refuses a trace without its end; an enqueue beyond capacity is refused by the impl's
+    agreed admission, the same verdict as validate (1)."""
+    expected = {"no end": (1, 2), "bare steps": (0, 0), "SlotsExhausted": (1, 1)}
     for name, content in verdict_traces().items():
         path = tmp_path / f"{name.replace(' ', '_')}.jsonl"
         path.write_bytes(content)
@@ -115,7 +116,7 @@ def test_verdict_traces_get_a_verdict_not_a_crash(tmp_path, capsys):
         assert rc == want_replay, (name, out, err)
         if rc:
             assert_clean(rc, out, err)
-    assert "metadata slots are in use" in err           # SlotsExhausted, as a DecodeInputError
+    assert "no free metadata slot" in out + err          # the admission refusal, named
 
 
 @pytest.mark.parametrize("argv", FLAG_CASES + typed_flag_cases(), ids=lambda a: " ".join(a))

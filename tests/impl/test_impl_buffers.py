@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.decode import (MetadataBuffers, SlotAllocator, SlotNotAllocated, SlotOutOfRange,
+from impl.decode import (DecodeInputError, MetadataBuffers, SlotAllocator, SlotNotAllocated, SlotOutOfRange,
                          SlotsExhausted, resolve_device)
 from impl.decode.buffers import NVLINK_ENV
 
@@ -66,8 +66,9 @@ def test_allocator_is_fifo_and_refuses_misuse():
     assert [a.alloc(), a.alloc()] == [0, 1]
     a.free(0)
     assert [a.alloc(), a.alloc()] == [2, 0]
-    with pytest.raises(SlotsExhausted, match="all 3 metadata slots are in use"):
+    with pytest.raises(SlotsExhausted, match="all 3 metadata slots are in use") as exc:
         a.alloc()
+    assert isinstance(exc.value, DecodeInputError)    # a batch of replays reports, not stops
     a.free(1)
     with pytest.raises(SlotNotAllocated):
         a.free(1)
