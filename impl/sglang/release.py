@@ -48,6 +48,8 @@ class Release:
     recorder: stubs.Recorder
     server_args: fakes.ServerArgs
     parallel: list          # [fakes.Parallel]: get_parallel() reads it when a queue is built
+    collective_timeout_s: float = 3.0       # pdgate's swapped-in collectives wait this long
+    observer: Any = None                    # the current SGLangRank's ObservingDist
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -86,16 +88,34 @@ class ObservingDist:
     ``all_reduce`` of the step is logged as (input values, output values)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[list[int], list[int]]] = []
+        self.calls: list[list[Any]] = []
+        self.returned: list[list[int]] = []      # what the queue's poll function returned
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
 
+    def note(self, gated: list) -> None:
+        """What a swapped-in pdgate function puts into its own collective (the reduced
+        values are what it returns)."""
+        self.calls.append([list(gated), []])
+
     def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        before = tensor.tolist()
+        call = [tensor.tolist(), []]        # noted first: the call may time out
+        self.calls.append(call)
         out = dist.all_reduce(tensor, *args, **kwargs)
-        self.calls.append((before, tensor.tolist()))
+        call[1] = tensor.tolist()
         return out
+
+
+def _observed(release: Release, fn: Callable[..., list]) -> Callable[..., list]:
+    """The release's poll function as its queue calls it, its result noted by the
+    current rank's observer."""
+    def call(*args: Any, **kwargs: Any) -> list:
+        out = fn(*args, **kwargs)
+        release.observer.returned.append(list(out))
+        return out
+    call._pdgate_observed = True          # type: ignore[attr-defined]
+    return call
 
 
 @dataclass
@@ -136,20 +156,11 @@ class SGLangRank:
             "scheduler": self.scheduler, "tree_cache": fakes.TreeCache()})
         self.observer = ObservingDist()
         u.dist = self.observer
-        self.returned: list[list[int]] = []
+        self.release.observer = self.observer
         for name in ("poll_and_all_reduce", "poll_and_all_reduce_with_staging"):
             fn = getattr(d, name, None)
             if fn is not None and not getattr(fn, "_pdgate_observed", False):
-                setattr(d, name, self._observed(fn))
-
-    def _observed(self, fn: Callable[..., list]) -> Callable[..., list]:
-        """The release's poll function as its queue calls it, its result noted."""
-        def call(*args: Any, **kwargs: Any) -> list:
-            out = fn(*args, **kwargs)
-            self.returned.append(list(out))
-            return out
-        call._pdgate_observed = True          # type: ignore[attr-defined]
-        return call
+                setattr(d, name, _observed(self.release, fn))
 
     def queue_length(self) -> int:
         return len(self.queue.queue)
@@ -190,7 +201,8 @@ class SGLangRank:
         for r in receivers:
             r.polled = local
         self.observer.calls.clear()
-        self.returned.clear()
+        self.observer.returned.clear()
+        returned = self.observer.returned
         error = None
         transferred: list[Any] = []
         try:
@@ -205,8 +217,10 @@ class SGLangRank:
         # the first all_reduce of the step is the poll MIN; a single rank may reduce
         # nothing (0.5.23 skips the collective), and then the MIN is its own vector
         polls = self.observer.calls[0] if self.observer.calls else None
-        if polls is None and self.returned:
-            polls = (self.returned[0], self.returned[0])
+        if polls is None and returned:
+            polls = [returned[0], []]
+        if polls is not None and not polls[1] and returned:
+            polls[1] = returned[0]
         gated, reduced = polls if polls is not None else ([], [])
         after = {id(d) for d in self.queue.queue}
         committed = {id(r) for r in transferred}
