@@ -80,6 +80,8 @@ class KvReceiver(_Recording):
         self.abort_notified = False
         self.bootstrap_infos = [None]
         self.polled: list[int] | None = None      # the runner collects each step's polls
+        self.landed: set[str] = set()              # metadata fields written so far
+        self.fenced = False                         # prefill acknowledged the abort
 
     def poll(self) -> int:
         if self.polled is not None:
@@ -100,7 +102,12 @@ class KvReceiver(_Recording):
         self.abort_notified = True
 
     def is_abort_release_safe(self) -> bool:
-        return False
+        return self.fenced
+
+    def writes_fenced(self) -> bool:
+        """No write can still land in this request's slot (pdgate's receiver protocol,
+        read by the strict patch only)."""
+        return self.fenced or self.landed >= {"room", "payload"}
 
 
 class ServerArgs(_Recording):

@@ -4,6 +4,16 @@
 ``poll_and_all_reduce_with_staging`` replaced by pdgate's drop-ins (impl.decode.polling),
 nothing else changed (``pdgate conform --swap``: the release must still match its spec
 variant, now with a collective that cannot hang).
+
+``install(release)`` / ``install_into(loaded)``: the strict patch. SGLang's own
+``pop_transferred`` keeps its loop; what it calls gets strict's rules: the gate holds
+Success until the slot's room *equals* the request's (not merely non-zero), a request
+whose metadata has not matched within ``timeout_steps`` polls is Failed before the MIN
+(so every rank aborts it in the same step), an expected room of 0 fails, a room mismatch
+seen at commit time is agreed with one MAX all-reduce of the local flags before any rank
+drops the request, and a popped request's slot is reused only once its receiver says
+``writes_fenced()`` (``queue.release_fenced()`` frees it; receivers without the method
+count as fenced).
 """
 from __future__ import annotations
 
@@ -34,3 +44,146 @@ def swap_dropins(release: Any) -> None:
         for module in (release.decode, release.utils):
             if hasattr(module, name):
                 setattr(module, name, ours)
+
+
+# ---------------------------------------------------------------------------------------
+# The strict patch: SGLang's own queue with strict's rules.
+
+class _Quarantine:
+    """The queue's slot allocator as ``pop_transferred`` sees it under the patch: a slot
+    whose request may still receive writes is held (strict's fence-before-reuse, SGLang
+    #35049) until its receiver says ``writes_fenced()``; the rest pass through."""
+
+    def __init__(self, real: Any, buffers: Any):
+        self.real, self.buffers = real, buffers
+        self.receiver_of: dict[int, Any] = {}      # slot -> receiver, set before each step
+        self.held: dict[int, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def free(self, idx: int) -> None:
+        recv = self.receiver_of.get(idx)
+        fenced = getattr(recv, "writes_fenced", None)
+        if fenced is not None and not fenced():
+            self.held[idx] = recv
+        else:
+            self.real.free(idx)
+
+    def release_fenced(self) -> None:
+        for idx, recv in list(self.held.items()):
+            if recv.writes_fenced():
+                del self.held[idx]
+                self.buffers.bootstrap_room[idx] = 0      # a late write may have landed
+                self.real.free(idx)
+
+
+def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]:
+    """``poll_and_all_reduce`` with strict's rules, every release's shapes: the
+    room-equality gate and timeout before the MIN (pdgate's drop-in, variant strict,
+    with the queue's ages), then one MAX all-reduce of the local room-mismatch flags of
+    the entries the MIN lets commit, so a mismatch seen by any rank aborts the request on
+    every rank (returned as Failed) instead of on that rank alone."""
+    import numpy as np
+    import torch
+    from impl.decode.gate import room_column_of
+    from model.spec.variants import get_variant
+    variant = get_variant("strict", timeout_steps)
+    success, failed = 4, 0
+
+    def call(pollers: Any, gloo_group: Any, decode_reqs: Any = None, metadata_buffers: Any = None,
+             server_args: Any = None, **_: Any) -> list:
+        queue = release.current_queue
+        if decode_reqs is None and queue is not None:      # 0.5.12 passes pollers only
+            decode_reqs, metadata_buffers = queue.queue, queue.metadata_buffers
+        ages = [queue._pdgate_ages.get(id(d), 0) for d in decode_reqs] \
+            if decode_reqs is not None and queue is not None else None
+        reduced = polling.poll_and_all_reduce(
+            pollers, gloo_group, decode_reqs, metadata_buffers, server_args, variant=variant,
+            ages=ages, timeout_s=release.collective_timeout_s,
+            transfer_backend=release.server_args.disaggregation_transfer_backend,
+            trace=_note(release))
+        commits = [i for i, r in enumerate(reduced) if r == success]
+        if not commits or decode_reqs is None or metadata_buffers is None:
+            return reduced
+        col = room_column_of(metadata_buffers)
+        flags = torch.tensor([int(int(col[decode_reqs[i].metadata_buffer_index]) & (2**64 - 1)
+                                  != (decode_reqs[i].req.bootstrap_room or 0))
+                              for i in commits], dtype=torch.int32)
+        polling._CACHE.exchange(gloo_group, release.collective_timeout_s)._wait(
+            "all_reduce(MAX) of room-mismatch flags",
+            lambda: release.dist.all_reduce(flags, op=release.dist.ReduceOp.MAX,
+                                            group=gloo_group, async_op=True))
+        for i, bad in zip(commits, np.asarray(flags)):
+            if bad:
+                reduced[i] = failed
+        return reduced
+    return call
+
+
+def install_into(release: Any, timeout_steps: int | None = None) -> None:
+    """Give a loaded release's ``DecodeTransferQueue`` strict's rules (see module doc)."""
+    import torch.distributed as dist
+    release.dist = dist
+    release.current_queue = None
+    poll = _strict_poll(release, timeout_steps)
+    for module in (release.decode, release.utils):
+        if hasattr(module, "poll_and_all_reduce"):
+            module.poll_and_all_reduce = poll
+    cls = release.decode.DecodeTransferQueue
+    own_pop = cls.pop_transferred
+
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(self, "_pdgate_ages"):
+            self._pdgate_ages = {}
+            self._pdgate_slots = _Quarantine(self.req_to_metadata_buffer_idx_allocator,
+                                             self.metadata_buffers)
+        slots = self._pdgate_slots
+        slots.release_fenced()
+        slots.receiver_of = {d.metadata_buffer_index: d.kv_receiver for d in self.queue}
+        real, self.req_to_metadata_buffer_idx_allocator = \
+            self.req_to_metadata_buffer_idx_allocator, slots
+        release.current_queue = self
+        try:
+            out = own_pop(self, *args, **kwargs)
+        finally:
+            self.req_to_metadata_buffer_idx_allocator = real
+            release.current_queue = None
+        self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0) + 1 for d in self.queue}
+        return out
+
+    def release_fenced(self: Any) -> None:
+        """Free held slots whose writes are fenced (call when a receiver reports it)."""
+        if hasattr(self, "_pdgate_slots"):
+            self._pdgate_slots.release_fenced()
+
+    cls.pop_transferred = pop_transferred
+    cls.release_fenced = release_fenced
+    cls._pdgate_strict = True
+    # the staging path polls through the same strict rules
+    if hasattr(release.decode, "poll_and_all_reduce_with_staging"):
+        def staged(decode_reqs: Any, staging_handler: Any, gloo_group: Any, *args: Any,
+                   **kwargs: Any) -> list:
+            return poll([d.kv_receiver for d in decode_reqs], gloo_group, decode_reqs,
+                        kwargs.get("metadata_buffers", args[0] if args else None))
+        release.decode.poll_and_all_reduce_with_staging = staged
+
+
+def install(release: str, *, timeout_steps: int | None = None,
+            collective_timeout_s: float = 30.0) -> None:
+    """Apply the strict patch in a live SGLang decode worker, at start-up, before the
+    scheduler builds its queues: ``impl.sglang.patch.install("0.5.23")``. Refuses a
+    release other than the one installed (the patch is checked per release by ``pdgate
+    conform --patch strict``)."""
+    import importlib
+    import types
+    sglang = importlib.import_module("sglang")
+    installed = getattr(sglang, "__version__", None)
+    if installed != release:
+        raise RuntimeError(f"strict patch for SGLang {release}, but {installed} is installed")
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    backend = types.SimpleNamespace(disaggregation_transfer_backend=None)
+    install_into(types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
+                                       collective_timeout_s=collective_timeout_s, observer=None),
+                 timeout_steps)

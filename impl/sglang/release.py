@@ -190,8 +190,13 @@ class SGLangRank:
                 self.buffers.bootstrap_room[slot, 0] = self.rooms[ev.req].room
             else:
                 self.buffers.output_ids[slot, 0] = self.rooms[ev.req].payload
+            recv.landed.add(ev.field)
         elif isinstance(ev, Fence):
             self.kv_mgr.fenced.add(self.rooms[ev.req].room)
+            recv.fenced = True
+        release_fenced = getattr(self.queue, "release_fenced", None)
+        if release_fenced is not None:          # the strict patch's quarantine
+            release_fenced()
 
     def step(self) -> StepResult:
         """The release's own step: deferred releases resolved, then ``pop_transferred``."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from impl.ranks import run_ranks
 from impl.replay import Script, _merge as merge_ranks
-from model.spec.events import Step
+from model.spec.events import PAYLOAD, ROOM, Land, Step
 from model.spec.invariants import check_invariants
 from model.spec.machine import EventNotEnabled, apply
 from model.spec.state import initial_state
@@ -53,29 +53,54 @@ class JobResult:
     reads: list[str]                     # what the release read from the stub layer
 
 
+def order_rooms_after_payloads(events: Sequence[Any]) -> tuple[list, bool]:
+    """The events as a prefill that writes the room only after its payload write completed
+    would produce them (assumption A1, strict's prefill): a room that lands before its
+    payload is delayed to just after it, and never lands if the payload never does."""
+    out, held, moved = [], {}, False
+    landed: set[tuple[int, int]] = set()
+    for ev in events:
+        if isinstance(ev, Land) and ev.field == ROOM and (ev.rank, ev.req) not in landed:
+            held[(ev.rank, ev.req)] = ev
+            moved = True
+            continue
+        out.append(ev)
+        if isinstance(ev, Land) and ev.field == PAYLOAD:
+            landed.add((ev.rank, ev.req))
+            room = held.pop((ev.rank, ev.req), None)
+            if room is not None:
+                out.append(room)
+    return out, moved
+
+
 def fit_script(script: Script, variant: Variant) -> tuple[Script, str]:
     """The script with its header naming ``variant``, cut before the first event that
     ``variant`` does not allow (a source trace of another variant can leave a request
-    earlier or later) and after a step that hangs. The spec decides both. A script that
-    ends with the queues no longer identical gets one more step: the next MIN, where
-    the divergence turns into a mismatched collective (SGLang #26394)."""
+    earlier or later) and after a step that hangs. The spec decides both. For a variant
+    whose prefill writes the room after the payload, the room writes are ordered so
+    first. A script that ends with the queues no longer identical gets one more step:
+    the next MIN, where the divergence turns into a mismatched collective (#26394)."""
     h = replace(script.header, variant=variant.name, timeout_steps=variant.timeout_steps)
+    events, notes = list(script.events), []
+    if variant.room_after_payload:
+        events, moved = order_rooms_after_payloads(events)
+        if moved:
+            notes.append("room writes after their payload (strict's prefill, A1)")
     state = initial_state(variant, h.ranks, h.slots)
     kept = []
-    note = ""
-    for i, ev in enumerate(script.events):
+    for i, ev in enumerate(events):
         try:
             apply(state, ev, detail=False)
         except EventNotEnabled as exc:
-            note = f"cut at event {i} ({variant.name} does not allow it: {exc})"
+            notes.append(f"cut at event {i} ({variant.name} does not allow it: {exc})")
             break
         kept.append(ev)
         if state.hung is not None:
             break
     if state.hung is None and check_invariants(state, ["queues_identical"]):
         kept.append(Step())
-        note = note or "one step added after the queues diverged"
-    return Script(h, tuple(kept)), note
+        notes.append("one step added after the queues diverged")
+    return Script(h, tuple(kept)), "; ".join(notes)
 
 
 def _group(timeout_s: float) -> Any:
