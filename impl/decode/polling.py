@@ -16,18 +16,19 @@ Fake transfers (SGLang's ``_is_fake_transfer``) keep their local poll: ``bootstr
 handler with ``is_failed`` (0.5.18+) turns a failed staging into Failed before the MIN.
 
 Speed: what is constant per queued request (its slot, expected room, fakeness and the
-queue's digest) is cached, keyed by the identity of the request objects in order (the
-cache holds them, so an id cannot be reused while cached); a step whose queue holds the
-same requests as the last one costs the N ``poll()`` calls plus a few vectorized ops and
-the one fixed-shape MIN (``bench/bench_gate.py``). SGLang sets those attributes before a
-request enters the transfer queue and never changes them there; code that does must not
-use the drop-in.
+queue's digest) is cached, keyed by the request objects in order: a list comparison,
+which checks identity first (the cache holds the objects, so none can be replaced by
+another at the same address while cached); a step whose queue holds the same requests
+as the last one costs the N ``poll()`` calls plus a few vectorized ops and the one
+fixed-shape MIN (``bench/bench_gate.py``). SGLang sets those attributes before a request
+enters the transfer queue and never changes them there (code that does must not use the
+drop-in), and its ``DecodeRequest`` compares equal only to itself in practice (a
+dataclass whose fields include its ``Req`` and receiver, which compare by identity).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from operator import methodcaller
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,15 +43,13 @@ from model.spec.kvpoll import KVPoll
 from model.spec.variants import Variant
 
 _SUCCESS, _TRANSFERRING, _FAILED = int(KVPoll.Success), int(KVPoll.Transferring), int(KVPoll.Failed)
-_POLL = methodcaller("poll")
 _CACHED_QUEUES = 16          # (group, buffers) pairs remembered: one per TP rank in-process
 
 
 @dataclass
 class _Queue:
     """The per-request constants of one queue, as numpy arrays."""
-    reqs: tuple                     # the request objects (keeps their ids from reuse)
-    ids: np.ndarray
+    reqs: list                      # the request objects (keeps their ids from reuse)
     slots: np.ndarray | None
     expected: np.ndarray | None
     real: np.ndarray | None         # None: no fake transfer in the queue
@@ -87,13 +86,12 @@ class _Cache:
 
     def queue(self, owner: Any, buffers: Any, decode_reqs: Sequence[Any], fake_host_none: bool,
               gated: bool) -> _Queue:
-        n = len(decode_reqs)
-        ids = np.fromiter(map(id, decode_reqs), np.int64, count=n)
         key = (id(owner), id(buffers), fake_host_none, gated)
         q = self._queues.get(key)
-        if q is not None and q.ids.shape[0] == n and np.array_equal(q.ids, ids):
+        same = decode_reqs if type(decode_reqs) is list else list(decode_reqs)
+        if q is not None and q.reqs == same:      # identity first, element by element
             return q
-        q = _build_queue(decode_reqs, ids, buffers, fake_host_none, gated)
+        q = _build_queue(decode_reqs, buffers, fake_host_none, gated)
         with self._lock:
             self._queues[key] = q
             _bound(self._queues)
@@ -108,17 +106,17 @@ def _bound(d: dict) -> None:
 _CACHE = _Cache()
 
 
-def _build_queue(decode_reqs: Sequence[Any], ids: np.ndarray, buffers: Any,
+def _build_queue(decode_reqs: Sequence[Any], buffers: Any,
                  fake_host_none: bool, gated: bool) -> _Queue:
     """Read the per-request constants once (raises a DecodeInputError on bad ones)."""
     n = len(decode_reqs)
-    reqs = tuple(decode_reqs)
+    reqs = list(decode_reqs)
     rid_of: Callable[[int], str] = lambda i: decode_reqs[i].req.rid
     rooms = [d.req.bootstrap_room or 0 for d in reqs]
     expected_t = rooms_tensor(rooms, rid_of=rid_of)
     fingerprint = digest(expected_t)
     if not gated:
-        return _Queue(reqs, ids, None, None, None, fingerprint, NUMPY)
+        return _Queue(reqs, None, None, None, fingerprint, NUMPY)
     slot_list = [d.metadata_buffer_index for d in reqs]
     size = int(room_column_of(buffers).shape[0])
     if not _all_ints(slot_list):
@@ -131,7 +129,7 @@ def _build_queue(decode_reqs: Sequence[Any], ids: np.ndarray, buffers: Any,
     fake = [h == FAKE_BOOTSTRAP_HOST or (h is None and fake_host_none) for h in hosts]
     real = ~np.array(fake, dtype=bool) if any(fake) else None
     expected = expected_t.numpy()
-    return _Queue(reqs, ids, slots, expected, real, fingerprint,
+    return _Queue(reqs, slots, expected, real, fingerprint,
                   numpy_ops_knowing(expected, 0))
 
 
@@ -205,7 +203,7 @@ def poll_and_all_reduce(pollers: Sequence[Any], gloo_group: Any, decode_reqs: Se
     ``exchange`` replaces the gloo group (impl.decode.lockstep, tests); ``trace(gated)``
     sees what each call puts into the MIN (pdgate conform).
     """
-    return _reduce(list(map(_POLL, pollers)), gloo_group, decode_reqs, metadata_buffers, variant, ages,
+    return _reduce([p.poll() for p in pollers], gloo_group, decode_reqs, metadata_buffers, variant, ages,
                    capacity, timeout_s, exchange, _fake_backend(server_args, transfer_backend),
                    trace)
 
@@ -230,8 +228,8 @@ def poll_and_all_reduce_with_staging(decode_reqs: Sequence[Any], staging_handler
     for d in decode_reqs:
         if staging(d) and not staging_handler.is_done(d):
             staging_handler.advance_scatter(d)
-    polls = list(map(_POLL, pollers if pollers is not None else
-                     [d.kv_receiver for d in decode_reqs]))
+    polls = [p.poll() for p in (pollers if pollers is not None else
+                                [d.kv_receiver for d in decode_reqs])]
     for i, d in enumerate(decode_reqs):
         if not staging(d):
             continue

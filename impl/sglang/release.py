@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from impl.sglang import fakes, stubs
 from impl.sglang.wheels import open_wheel, parse_version
-from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
+from model.spec.events import ROOM, Enqueue, Event, Fail, Fence, KvDone, Land
 from model.spec.kernel import Decision
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
