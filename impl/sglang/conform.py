@@ -105,6 +105,9 @@ def simulator_sources() -> list[Source]:
 def _verdict(result: Any, source: Source) -> dict:
     v = result.validation
     row: dict[str, Any] = {"verdict": "matches", "invariant": None, "step": None}
+    if result.refused:
+        row.update(verdict="differs", step=v.steps, line=None, detail=result.refused)
+        return row
     if not v.ok:
         row.update(verdict="differs", step=v.steps, line=v.line, detail=v.message)
         return row
@@ -124,6 +127,8 @@ def _verdict(result: Any, source: Source) -> dict:
 def _describe(row: dict) -> str:
     if row["verdict"] == "reproduces":
         text = f"reproduces {row['invariant']} at step {row['step']}"
+    elif row["verdict"] == "differs" and row.get("line") is None:
+        text = f"differs at step {row['step']}: {row.get('detail')}"
     elif row["verdict"] == "differs":
         text = f"differs at line {row.get('line')}: {row.get('detail')}"
     elif row["verdict"] == "not checked":
@@ -182,6 +187,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pdgate's drop-in poll functions inside SGLang's own queue")
     p.add_argument("--patch", choices=["strict"],
                    help="SGLang's queue with pdgate's strict patch (impl.sglang.patch.install)")
+    p.add_argument("--local-release", action="store_true",
+                   help="with --patch: release held slots per rank, as strict's spec does, "
+                        "instead of agreed across ranks at each step (install()'s default)")
     p.add_argument("--json", metavar="PATH", help="write one object per (release, trace)")
     p.add_argument("--collective-timeout", type=float, default=3.0, metavar="S",
                    help="timeout of every collective, seconds (default 3)")
@@ -205,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.swap and args.patch:
             raise ConformInputError("--swap and --patch exclude each other")
+        if args.local_release and not args.patch:
+            raise ConformInputError("--local-release needs --patch strict")
         if not 0 < args.collective_timeout <= 600:
             raise ConformInputError("--collective-timeout must be in (0, 600] seconds")
         versions = _versions(args.sglang)
@@ -216,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"{NAME}: {msg}", file=sys.stderr)
         return 2
-    mode = "swap" if args.swap else "patch" if args.patch else "own"
+    mode = "swap" if args.swap else ("patch-local" if args.local_release else "patch") \
+        if args.patch else "own"
     try:
         rows = check(versions, sources, deferred=args.deferred, mode=mode, patch=args.patch,
                      timeout_s=args.collective_timeout)
@@ -226,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     width = max(len(r["trace"]) for r in rows)
     for r in rows:
-        print(f"{r['release']:<8} {mode:<5} {r['trace']:<{width}}  {r['variant']:<14} {_describe(r)}")
+        print(f"{r['release']:<8} {mode:<11} {r['trace']:<{width}}  {r['variant']:<14} {_describe(r)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     if args.reads:

@@ -52,30 +52,63 @@ def swap_dropins(release: Any) -> None:
 class _Quarantine:
     """The queue's slot allocator as ``pop_transferred`` sees it under the patch: a slot
     whose request may still receive writes is held (strict's fence-before-reuse, SGLang
-    #35049) until its receiver says ``writes_fenced()``; the rest pass through."""
+    #35049) until its receiver says ``writes_fenced()`` (receivers without the method
+    count as fenced).
 
-    def __init__(self, real: Any, buffers: Any):
-        self.real, self.buffers = real, buffers
+    ``agreed``: every popped slot is held and released only by ``release_agreed``, once
+    every rank's receiver says fenced (a MIN all-reduce of the local flags over the held
+    list, the same list on every rank: pops are agreed), so the ranks' free lists, and
+    with them admission, never differ (what 0.5.23 does for its deferred releases). Not
+    agreed: each rank frees a slot when its own writes are fenced (strict's spec)."""
+
+    def __init__(self, real: Any, buffers: Any, agreed: bool):
+        self.real, self.buffers, self.agreed = real, buffers, agreed
         self.receiver_of: dict[int, Any] = {}      # slot -> receiver, set before each step
         self.held: dict[int, Any] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
+    @staticmethod
+    def _fenced(recv: Any) -> bool:
+        fenced = getattr(recv, "writes_fenced", None)
+        return True if fenced is None else bool(fenced())
+
     def free(self, idx: int) -> None:
         recv = self.receiver_of.get(idx)
-        fenced = getattr(recv, "writes_fenced", None)
-        if fenced is not None and not fenced():
+        if self.agreed or not self._fenced(recv):
             self.held[idx] = recv
         else:
             self.real.free(idx)
 
+    def _free_held(self, idx: int) -> None:
+        del self.held[idx]
+        self.buffers.bootstrap_room[idx] = 0          # a late write may have landed
+        self.real.free(idx)
+
     def release_fenced(self) -> None:
+        if self.agreed:
+            return                                    # only at a step, on every rank
         for idx, recv in list(self.held.items()):
-            if recv.writes_fenced():
-                del self.held[idx]
-                self.buffers.bootstrap_room[idx] = 0      # a late write may have landed
-                self.real.free(idx)
+            if self._fenced(recv):
+                self._free_held(idx)
+
+    def release_agreed(self, wait: Callable[[str, Callable[[], Any]], None], dist: Any,
+                       group: Any) -> None:
+        if not self.agreed or not self.held:
+            return
+        import torch
+        flags = torch.tensor([int(self._fenced(r)) for r in self.held.values()], dtype=torch.int32)
+        wait("all_reduce(MIN) of fenced flags",
+             lambda: dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True))
+        for idx, ready in zip(list(self.held), flags.tolist()):
+            if ready:
+                self._free_held(idx)
+
+
+def _is_fake(host: Any, fake_backend: bool) -> bool:
+    from impl.decode.gate import FAKE_BOOTSTRAP_HOST
+    return host == FAKE_BOOTSTRAP_HOST or (host is None and fake_backend)
 
 
 def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]:
@@ -103,8 +136,14 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]
             ages=ages, timeout_s=release.collective_timeout_s,
             transfer_backend=release.server_args.disaggregation_transfer_backend,
             trace=_note(release))
-        commits = [i for i, r in enumerate(reduced) if r == success]
-        if not commits or decode_reqs is None or metadata_buffers is None:
+        if decode_reqs is None or metadata_buffers is None:
+            return reduced
+        fake_none = (getattr(server_args, "disaggregation_transfer_backend", None)
+                     if server_args is not None else
+                     release.server_args.disaggregation_transfer_backend) == "fake"
+        commits = [i for i, r in enumerate(reduced) if r == success
+                   and not _is_fake(decode_reqs[i].req.bootstrap_host, fake_none)]
+        if not commits:
             return reduced
         col = room_column_of(metadata_buffers)
         flags = torch.tensor([int(int(col[decode_reqs[i].metadata_buffer_index]) & (2**64 - 1)
@@ -121,8 +160,11 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]
     return call
 
 
-def install_into(release: Any, timeout_steps: int | None = None) -> None:
-    """Give a loaded release's ``DecodeTransferQueue`` strict's rules (see module doc)."""
+def install_into(release: Any, timeout_steps: int | None = None,
+                 agreed_release: bool = True) -> None:
+    """Give a loaded release's ``DecodeTransferQueue`` strict's rules (see module doc).
+    ``agreed_release``: slots of popped requests are released only when every rank's
+    writes are fenced, agreed at the end of each step (``_Quarantine``)."""
     import torch.distributed as dist
     release.dist = dist
     release.current_queue = None
@@ -137,7 +179,7 @@ def install_into(release: Any, timeout_steps: int | None = None) -> None:
         if not hasattr(self, "_pdgate_ages"):
             self._pdgate_ages = {}
             self._pdgate_slots = _Quarantine(self.req_to_metadata_buffer_idx_allocator,
-                                             self.metadata_buffers)
+                                             self.metadata_buffers, agreed_release)
         slots = self._pdgate_slots
         slots.release_fenced()
         slots.receiver_of = {d.metadata_buffer_index: d.kv_receiver for d in self.queue}
@@ -149,6 +191,8 @@ def install_into(release: Any, timeout_steps: int | None = None) -> None:
         finally:
             self.req_to_metadata_buffer_idx_allocator = real
             release.current_queue = None
+        exchange = polling._CACHE.exchange(self.gloo_group, release.collective_timeout_s)
+        slots.release_agreed(exchange._wait, release.dist, self.gloo_group)
         self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0) + 1 for d in self.queue}
         return out
 
@@ -170,7 +214,8 @@ def install_into(release: Any, timeout_steps: int | None = None) -> None:
 
 
 def install(release: str, *, timeout_steps: int | None = None,
-            collective_timeout_s: float = 30.0) -> None:
+            collective_timeout_s: float = 30.0, agreed_release: bool = True,
+            transfer_backend: str = "mooncake") -> None:
     """Apply the strict patch in a live SGLang decode worker, at start-up, before the
     scheduler builds its queues: ``impl.sglang.patch.install("0.5.23")``. Refuses a
     release other than the one installed (the patch is checked per release by ``pdgate
@@ -183,7 +228,8 @@ def install(release: str, *, timeout_steps: int | None = None,
         raise RuntimeError(f"strict patch for SGLang {release}, but {installed} is installed")
     decode = importlib.import_module("sglang.srt.disaggregation.decode")
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
-    backend = types.SimpleNamespace(disaggregation_transfer_backend=None)
+    # the backend decides whether a request without bootstrap host is a fake transfer
+    backend = types.SimpleNamespace(disaggregation_transfer_backend=transfer_backend)
     install_into(types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
                                        collective_timeout_s=collective_timeout_s, observer=None),
-                 timeout_steps)
+                 timeout_steps, agreed_release)

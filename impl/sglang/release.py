@@ -36,6 +36,10 @@ _REASONS = (("Decode transfer failed", Decision.ABORT_FAILED),
             ("corruption", Decision.ABORT_ROOM_MISMATCH))
 
 
+class RefusedEvent(RuntimeError):
+    """The release cannot perform a trace event the spec allows (no free slot)."""
+
+
 class UnknownAbort(RuntimeError):
     """A request left with a finished_reason none of the known messages names."""
 
@@ -169,7 +173,7 @@ class SGLangRank:
         if isinstance(ev, Enqueue):
             slot = self.allocator.alloc()
             if slot is None:
-                raise RuntimeError(f"no free metadata slot for request {ev.req}")
+                raise RefusedEvent(f"no free metadata slot for request {ev.req}")
             recv = fakes.KvReceiver(self.kv_mgr)
             req = fakes.Req(str(ev.req), ev.room)
             dr = self.release.decode.DecodeRequest(req=req, kv_receiver=recv,

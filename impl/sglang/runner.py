@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from impl.ranks import run_ranks
+from impl.sglang.release import RefusedEvent
 from impl.replay import Script, _merge as merge_ranks
 from model.spec.events import PAYLOAD, ROOM, Land, Step
 from model.spec.invariants import check_invariants
@@ -31,13 +32,15 @@ from model.spec.state import initial_state
 from model.spec.validate import ValidationResult, validate
 from model.spec.variants import Variant
 
-MODES = ("own", "swap", "patch")
+# own: the release as shipped; swap: pdgate's drop-ins; patch: the strict patch as
+# install() deploys it (agreed release); patch-local: the patch releasing slots per rank
+MODES = ("own", "swap", "patch", "patch-local")
 
 
 @dataclass(frozen=True)
 class Job:
     version: str
-    mode: str               # "own" (the release as shipped), "swap" (pdgate's drop-ins), "patch" (strict)
+    mode: str               # one of MODES
     deferred: bool          # SGLang's deferred KV release switched on
     script: Script          # header already names the variant the job validates against
     note: str = ""          # why the script was cut short, if it was
@@ -50,6 +53,7 @@ class JobResult:
     validation: ValidationResult
     steps: int
     errors: list[str]                    # per-rank step errors (collective timeouts...)
+    refused: str | None                  # an event the release could not perform
     reads: list[str]                     # what the release read from the stub layer
 
 
@@ -121,9 +125,9 @@ def _load(job: Job, timeout_s: float) -> Any:
     if job.mode == "swap":
         from impl.sglang.patch import swap_dropins
         swap_dropins(release)
-    elif job.mode == "patch":
+    elif job.mode in ("patch", "patch-local"):
         from impl.sglang.patch import install_into
-        install_into(release)
+        install_into(release, agreed_release=job.mode == "patch")
     return release
 
 
@@ -133,9 +137,18 @@ def _run_job(release: Any, job: Job, rank: int, world: int, group: Any) -> tuple
     harness = SGLangRank(release, rank, world, group, h.slots, job.deferred)
     steps, errors = [], []
     at, broken = len(job.script.events), False
+    refused = None
     for i, ev in enumerate(job.script.events):
         if not isinstance(ev, Step):
-            harness.apply(ev)
+            try:
+                harness.apply(ev)
+            except RefusedEvent as exc:      # e.g. no free slot where the spec has one
+                refused = f"rank {rank} refused event {i}: {exc}"
+            # every rank learns whether any refused, so all stop at the same event
+            if any(failed for _, failed in _referee(0, refused is not None)):
+                errors.append(refused or f"a peer refused event {i}")
+                at, broken = i, False
+                break
             continue
         length = harness.queue_length()
         res = harness.step()
@@ -151,7 +164,8 @@ def _run_job(release: Any, job: Job, rank: int, world: int, group: Any) -> tuple
         if hang or any(failed for _, failed in rows):
             at, broken = i, True          # the data group may hold a half-done collective
             break
-    return {"steps": steps, "at": at, "errors": errors, "reads": release.recorder.reads}, broken
+    return {"steps": steps, "at": at, "errors": errors, "refused": refused,
+            "reads": release.recorder.reads}, broken
 
 
 def _conform_rank(rank: int, world: int, jobs: list[Job], timeout_s: float) -> list[dict]:
@@ -187,5 +201,6 @@ def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 3.0, deadline_s: float =
         text, steps = merge_ranks(job.script, per_rank)
         results.append(JobResult(job, text, validate(text.splitlines()), steps,
                                  [e for r in per_rank for e in r["errors"]],
+                                 next((r["refused"] for r in per_rank if r["refused"]), None),
                                  per_rank[0]["reads"]))
     return results

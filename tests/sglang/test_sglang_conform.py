@@ -87,8 +87,9 @@ def test_swapped_in_dropins_match_the_spec_in_every_release(sources, own):
         assert (row["verdict"], row["invariant"]) == (own[key]["verdict"], own[key]["invariant"])
 
 
-def test_strict_patch_validates_against_strict_and_removes_the_breaks(sources):
-    rows = conform.check(list(PINNED), list(sources.values()), mode="patch", patch="strict")
+@pytest.mark.parametrize("mode", ["patch", "patch-local"])
+def test_strict_patch_validates_against_strict_and_removes_the_breaks(sources, mode):
+    rows = conform.check(list(PINNED), list(sources.values()), mode=mode, patch="strict")
     assert {r["variant"] for r in rows} == {"strict"}
     assert not [r for r in rows if r["verdict"] == "differs"], rows
     assert not [r for r in rows if r["invariant"] in ("outcomes_agree", "bounded_wait",
