@@ -58,8 +58,9 @@ class _Quarantine:
     ``agreed``: every popped slot is held and released only by ``release_agreed``, once
     every rank's receiver says fenced (a MIN all-reduce of the local flags over the held
     list, the same list on every rank: pops are agreed), so the ranks' free lists, and
-    with them admission, never differ (what 0.5.23 does for its deferred releases). Not
-    agreed: each rank frees a slot when its own writes are fenced (strict's spec)."""
+    with them admission, never differ (what 0.5.23 does for its deferred releases); it
+    runs at the end of each step and before admission. Not agreed: each rank frees a
+    slot when its own writes are fenced (strict's spec rule)."""
 
     def __init__(self, real: Any, buffers: Any, agreed: bool):
         self.real, self.buffers, self.agreed = real, buffers, agreed
@@ -111,31 +112,35 @@ def _is_fake(host: Any, fake_backend: bool) -> bool:
     return host == FAKE_BOOTSTRAP_HOST or (host is None and fake_backend)
 
 
-def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]:
-    """``poll_and_all_reduce`` with strict's rules, every release's shapes: the
-    room-equality gate and timeout before the MIN (pdgate's drop-in, variant strict,
-    with the queue's ages), then one MAX all-reduce of the local room-mismatch flags of
-    the entries the MIN lets commit, so a mismatch seen by any rank aborts the request on
-    every rank (returned as Failed) instead of on that rank alone."""
-    import numpy as np
+def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[..., list],
+                                                                  Callable[..., list]]:
+    """``poll_and_all_reduce`` and ``poll_and_all_reduce_with_staging`` with strict's
+    rules, every release's shapes: the room-equality gate and timeout before the MIN
+    (pdgate's drop-ins, variant strict, with the queue's ages), then one MAX all-reduce
+    of the local room-mismatch flags of the entries the MIN lets commit, so a mismatch
+    seen by any rank aborts the request on every rank (returned as Failed) instead of on
+    that rank alone."""
     import torch
     from impl.decode.gate import room_column_of
     from model.spec.variants import get_variant
     variant = get_variant("strict", timeout_steps)
     success, failed = 4, 0
 
-    def call(pollers: Any, gloo_group: Any, decode_reqs: Any = None, metadata_buffers: Any = None,
-             server_args: Any = None, **_: Any) -> list:
+    def context(decode_reqs: Any, metadata_buffers: Any) -> tuple:
         queue = release.current_queue
         if decode_reqs is None and queue is not None:      # 0.5.12 passes pollers only
             decode_reqs, metadata_buffers = queue.queue, queue.metadata_buffers
         ages = [queue._pdgate_ages.get(id(d), 0) for d in decode_reqs] \
             if decode_reqs is not None and queue is not None else None
-        reduced = polling.poll_and_all_reduce(
-            pollers, gloo_group, decode_reqs, metadata_buffers, server_args, variant=variant,
-            ages=ages, timeout_s=release.collective_timeout_s,
-            transfer_backend=release.server_args.disaggregation_transfer_backend,
-            trace=_note(release))
+        return decode_reqs, metadata_buffers, ages
+
+    def options(ages: Any) -> dict:
+        return {"variant": variant, "ages": ages, "timeout_s": release.collective_timeout_s,
+                "transfer_backend": release.server_args.disaggregation_transfer_backend,
+                "trace": _note(release)}
+
+    def agree_mismatch(reduced: list, gloo_group: Any, decode_reqs: Any, metadata_buffers: Any,
+                       server_args: Any) -> list:
         if decode_reqs is None or metadata_buffers is None:
             return reduced
         fake_none = (getattr(server_args, "disaggregation_transfer_backend", None)
@@ -143,7 +148,7 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]
                      release.server_args.disaggregation_transfer_backend) == "fake"
         commits = [i for i, r in enumerate(reduced) if r == success
                    and not _is_fake(decode_reqs[i].req.bootstrap_host, fake_none)]
-        if not commits:
+        if not commits:          # the same on every rank: they all reduced the same vector
             return reduced
         col = room_column_of(metadata_buffers)
         flags = torch.tensor([int(int(col[decode_reqs[i].metadata_buffer_index]) & (2**64 - 1)
@@ -153,11 +158,27 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> Callable[..., list]
             "all_reduce(MAX) of room-mismatch flags",
             lambda: release.dist.all_reduce(flags, op=release.dist.ReduceOp.MAX,
                                             group=gloo_group, async_op=True))
-        for i, bad in zip(commits, np.asarray(flags)):
+        for i, bad in zip(commits, flags.tolist()):
             if bad:
                 reduced[i] = failed
         return reduced
-    return call
+
+    def poll(pollers: Any, gloo_group: Any, decode_reqs: Any = None, metadata_buffers: Any = None,
+             server_args: Any = None, **_: Any) -> list:
+        decode_reqs, metadata_buffers, ages = context(decode_reqs, metadata_buffers)
+        reduced = polling.poll_and_all_reduce(pollers, gloo_group, decode_reqs, metadata_buffers,
+                                              server_args, **options(ages))
+        return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
+
+    def staged(decode_reqs: Any, staging_handler: Any, gloo_group: Any,
+               metadata_buffers: Any = None, server_args: Any = None, pollers: Any = None,
+               **_: Any) -> list:
+        decode_reqs, metadata_buffers, ages = context(decode_reqs, metadata_buffers)
+        reduced = polling.poll_and_all_reduce_with_staging(
+            decode_reqs, staging_handler, gloo_group, metadata_buffers, server_args, pollers,
+            **options(ages))
+        return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
+    return poll, staged
 
 
 def install_into(release: Any, timeout_steps: int | None = None,
@@ -168,10 +189,12 @@ def install_into(release: Any, timeout_steps: int | None = None,
     import torch.distributed as dist
     release.dist = dist
     release.current_queue = None
-    poll = _strict_poll(release, timeout_steps)
+    poll, staged = _strict_poll(release, timeout_steps)
     for module in (release.decode, release.utils):
-        if hasattr(module, "poll_and_all_reduce"):
-            module.poll_and_all_reduce = poll
+        for name, fn in (("poll_and_all_reduce", poll),
+                         ("poll_and_all_reduce_with_staging", staged)):
+            if hasattr(module, name):
+                setattr(module, name, fn)
     cls = release.decode.DecodeTransferQueue
     own_pop = cls.pop_transferred
 
@@ -191,10 +214,17 @@ def install_into(release: Any, timeout_steps: int | None = None,
         finally:
             self.req_to_metadata_buffer_idx_allocator = real
             release.current_queue = None
-        exchange = polling._CACHE.exchange(self.gloo_group, release.collective_timeout_s)
-        slots.release_agreed(exchange._wait, release.dist, self.gloo_group)
+        agree_releases(self)
         self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0) + 1 for d in self.queue}
         return out
+
+    def agree_releases(self: Any) -> None:
+        """Agreed release of held slots whose writes every rank has fenced: at the end of
+        each step and at the start of each scheduler iteration, before admission (a
+        collective: every rank calls it at the same point)."""
+        if hasattr(self, "_pdgate_slots"):
+            exchange = polling._CACHE.exchange(self.gloo_group, release.collective_timeout_s)
+            self._pdgate_slots.release_agreed(exchange._wait, release.dist, self.gloo_group)
 
     def release_fenced(self: Any) -> None:
         """Free held slots whose writes are fenced (call when a receiver reports it)."""
@@ -203,15 +233,18 @@ def install_into(release: Any, timeout_steps: int | None = None,
 
     cls.pop_transferred = pop_transferred
     cls.release_fenced = release_fenced
+    cls.agree_releases = agree_releases
+    # the scheduler's iteration: held slots are released (agreed) before admission, as
+    # 0.5.23 resolves its deferred releases first
+    mixin = getattr(release.decode, "SchedulerDisaggregationDecodeMixin", None)
+    own_iteration = getattr(mixin, "process_decode_queue", None)
+    if own_iteration is not None and not getattr(own_iteration, "_pdgate_strict", False):
+        def process_decode_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.disagg_decode_transfer_queue.agree_releases()
+            return own_iteration(self, *args, **kwargs)
+        process_decode_queue._pdgate_strict = True      # type: ignore[attr-defined]
+        mixin.process_decode_queue = process_decode_queue
     cls._pdgate_strict = True
-    # the staging path polls through the same strict rules
-    if hasattr(release.decode, "poll_and_all_reduce_with_staging"):
-        def staged(decode_reqs: Any, staging_handler: Any, gloo_group: Any, *args: Any,
-                   **kwargs: Any) -> list:
-            return poll([d.kv_receiver for d in decode_reqs], gloo_group, decode_reqs,
-                        kwargs.get("metadata_buffers", args[0] if args else None))
-        release.decode.poll_and_all_reduce_with_staging = staged
-
 
 def install(release: str, *, timeout_steps: int | None = None,
             collective_timeout_s: float = 30.0, agreed_release: bool = True,

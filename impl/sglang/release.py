@@ -171,6 +171,9 @@ class SGLangRank:
 
     def apply(self, ev: Event) -> None:
         if isinstance(ev, Enqueue):
+            agree = getattr(self.queue, "agree_releases", None)
+            if agree is not None:       # the strict patch: agreed releases before admission
+                agree()
             slot = self.allocator.alloc()
             if slot is None:
                 raise RefusedEvent(f"no free metadata slot for request {ev.req}")
