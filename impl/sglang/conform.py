@@ -64,7 +64,13 @@ class Source:
     bound: int | None           # its bound, for bounded_wait
 
 
+MAX_RANKS, MAX_SLOTS = 8, 4096      # one process per rank; SGLang's buffers per slot
+
+
 def read_source(path: str) -> Source:
+    if not Path(path).is_file():
+        raise ConformInputError(f"{path}: not a readable trace file")
+
     def parse(fp: Any) -> Source:
         lines = fp.readlines()
         claim = bound = None
@@ -74,7 +80,12 @@ def read_source(path: str) -> Source:
                 if rec.get("kind") == "violation":
                     claim, bound = rec.get("invariant"), rec.get("bound")
         return Source(Path(path).name, load_script(lines), claim, bound)
-    return read_trace_file(path, parse)
+    source = read_trace_file(path, parse)
+    h = source.script.header
+    if h.ranks > MAX_RANKS or h.slots > MAX_SLOTS:
+        raise ConformInputError(f"{path}: {h.ranks} ranks and {h.slots} slots; conform runs at "
+                                f"most {MAX_RANKS} ranks (one process each) and {MAX_SLOTS} slots")
+    return source
 
 
 def default_sources(traces_dir: str) -> list[Source]:

@@ -136,15 +136,27 @@ def test_cli_table_json_and_exit_code(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--sglang", "0.5.x"], "not an SGLang release number"),
-    (["--sglang", "0.5.13", "/nonexistent.jsonl"], "cannot read"),
+    (["--sglang", "0.5.13", "/nonexistent.jsonl"], "not a readable trace file"),
     (["--sglang", "0.5.13", "--swap", "--patch", "strict"], "exclude each other"),
     (["--sglang", "0.5.13", "--collective-timeout", "nan"], "--collective-timeout"),
+    (["--sglang", "0.5.13", "/dev/zero"], "not a readable trace file"),
+    (["--sglang", "0.5.13", "--local-release"], "needs --patch"),
+    (["--sglang", "0.5.13", "--traces", "/nonexistent"], "run `pdgate prove"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     proc = _cli("conform", *args, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_too_many_ranks_is_refused_before_starting_processes(tmp_path):
+    trace = tmp_path / "big.jsonl"
+    trace.write_text('{"kind":"header","format":"pdgate-trace","version":1,"variant":"gate",'
+                     '"ranks":1000,"slots":2,"timeout_steps":null,"source":"hand"}\n'
+                     '{"kind":"end","steps":0}\n')
+    proc = _cli("conform", "--sglang", "0.5.13", str(trace), timeout=60)
+    assert proc.returncode == 2 and "at most 8 ranks" in proc.stderr, proc.stderr
 
 
 def test_a_missing_release_names_the_install_command(tmp_path):
