@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from impl.ranks import run_ranks
-from impl.sglang.release import RefusedEvent
+from impl.sglang.release import RefusedEvent, StepResult
 from impl.replay import Script, _merge as merge_ranks
 from model.spec.events import PAYLOAD, ROOM, Land, Step
 from model.spec.invariants import check_invariants
@@ -144,6 +144,8 @@ def _run_job(release: Any, job: Job, rank: int, world: int, group: Any) -> tuple
                 harness.apply(ev)
             except RefusedEvent as exc:      # e.g. no free slot where the spec has one
                 refused = f"rank {rank} refused event {i}: {exc}"
+            except Exception as exc:         # the release's code failed on this event
+                refused = f"rank {rank} failed on event {i}: {type(exc).__name__}: {exc}"
             # every rank learns whether any refused, so all stop at the same event
             if any(failed for _, failed in _referee(0, refused is not None)):
                 errors.append(refused or f"a peer refused event {i}")
@@ -151,7 +153,10 @@ def _run_job(release: Any, job: Job, rank: int, world: int, group: Any) -> tuple
                 break
             continue
         length = harness.queue_length()
-        res = harness.step()
+        try:
+            res = harness.step()
+        except Exception as exc:             # e.g. an abort reason pdgate does not know
+            res = StepResult([], [], [], [], [], f"{type(exc).__name__}: {exc}")
         rows = _referee(length, res.error is not None)
         lengths = [n for n, _ in rows]
         hang = lengths if len(set(lengths)) > 1 else None
