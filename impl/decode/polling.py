@@ -50,6 +50,7 @@ _CACHED_QUEUES = 16          # (group, buffers) pairs remembered: one per TP ran
 class _Queue:
     """The per-request constants of one queue, as numpy arrays."""
     reqs: list                      # the request objects (keeps their ids from reuse)
+    buffers: Any                    # the metadata buffers the slots were checked against
     slots: np.ndarray | None
     expected: np.ndarray | None
     real: np.ndarray | None         # None: no fake transfer in the queue
@@ -89,7 +90,7 @@ class _Cache:
         key = (id(owner), id(buffers), fake_host_none, gated)
         q = self._queues.get(key)
         same = decode_reqs if type(decode_reqs) is list else list(decode_reqs)
-        if q is not None and q.reqs == same:      # identity first, element by element
+        if q is not None and q.buffers is buffers and q.reqs == same:   # identity first
             return q
         q = _build_queue(decode_reqs, buffers, fake_host_none, gated)
         with self._lock:
@@ -116,7 +117,7 @@ def _build_queue(decode_reqs: Sequence[Any], buffers: Any,
     expected_t = rooms_tensor(rooms, rid_of=rid_of)
     fingerprint = digest(expected_t)
     if not gated:
-        return _Queue(reqs, None, None, None, fingerprint, NUMPY)
+        return _Queue(reqs, buffers, None, None, None, fingerprint, NUMPY)
     slot_list = [d.metadata_buffer_index for d in reqs]
     size = int(room_column_of(buffers).shape[0])
     if not _all_ints(slot_list):
@@ -129,7 +130,7 @@ def _build_queue(decode_reqs: Sequence[Any], buffers: Any,
     fake = [h == FAKE_BOOTSTRAP_HOST or (h is None and fake_host_none) for h in hosts]
     real = ~np.array(fake, dtype=bool) if any(fake) else None
     expected = expected_t.numpy()
-    return _Queue(reqs, slots, expected, real, fingerprint,
+    return _Queue(reqs, buffers, slots, expected, real, fingerprint,
                   numpy_ops_knowing(expected, 0))
 
 
