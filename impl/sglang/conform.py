@@ -73,13 +73,14 @@ def read_source(path: str) -> Source:
 
     def parse(fp: Any) -> Source:
         lines = fp.readlines()
+        script = load_script(lines)           # malformed input: one line naming the line
         claim = bound = None
         for text in lines:
             if '"violation"' in text:
                 rec = json.loads(text)
                 if rec.get("kind") == "violation":
                     claim, bound = rec.get("invariant"), rec.get("bound")
-        return Source(Path(path).name, load_script(lines), claim, bound)
+        return Source(Path(path).name, script, claim, bound)
     source = read_trace_file(path, parse)
     h = source.script.header
     if h.ranks > MAX_RANKS or h.slots > MAX_SLOTS:
