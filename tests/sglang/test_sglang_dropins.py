@@ -14,10 +14,17 @@ import torch
 import torch.distributed as dist
 
 from impl.decode import poll_and_all_reduce, poll_and_all_reduce_with_staging
+from impl.sglang import stubs
 from impl.sglang.release import load_release
 from impl.sglang.wheels import PINNED
 
 S, T, W, F = 4, 3, 2, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_releases():
+    yield
+    stubs.purge()        # the releases loaded here leave no sglang modules behind
 
 
 @pytest.fixture(scope="module")

@@ -92,3 +92,26 @@ def test_stubs_list_what_new_code_reads():
                              "sglang.srt.brand_new.Thing.setting"]
     finally:
         stubs.purge()
+
+
+def test_install_patches_the_installed_release_and_refuses_another():
+    import sys
+
+    import pytest
+
+    from impl.sglang.patch import install
+    from impl.sglang.release import load_release
+    rel = load_release("0.5.23")
+    try:
+        sys.modules["sglang"].__version__ = "0.5.23"
+        with pytest.raises(RuntimeError, match="strict patch for SGLang 0.5.21, but 0.5.23"):
+            install("0.5.21")
+        assert not hasattr(rel.decode.DecodeTransferQueue, "_pdgate_strict")
+        assert rel.decode.poll_and_all_reduce.__module__ == "sglang.srt.disaggregation.utils"
+        install("0.5.23")
+        assert rel.decode.DecodeTransferQueue._pdgate_strict
+        assert "_strict_poll" in rel.decode.poll_and_all_reduce.__qualname__
+        assert "_strict_poll" in rel.decode.poll_and_all_reduce_with_staging.__qualname__
+        assert rel.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue._pdgate_strict
+    finally:
+        stubs.purge()
