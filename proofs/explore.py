@@ -26,7 +26,7 @@ from model.spec.kvpoll import KVPoll
 from model.spec.invariants import INVARIANTS, bounded_wait
 from model.spec.machine import apply, enabled
 from model.spec.state import SystemState, initial_state
-from model.spec.variants import DEFAULT_TIMEOUT_STEPS, Variant
+from model.spec.variants import DEFAULT_TIMEOUT_STEPS, Deferral, Variant
 
 ROOM_BASE, PAYLOAD_BASE = 101, 501
 _FAILED = int(KVPoll.Failed)
@@ -121,6 +121,7 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
     bound = wait_bound if wait_bound is not None else (variant.timeout_steps or DEFAULT_TIMEOUT_STEPS)
     cap = max(variant.timeout_steps or 0, bound + 1)
     reqs = request_events(requests, room_zero)
+    fences_matter = variant.fence_before_reuse or variant.defer_failed is not Deferral.NONE
     started = time.perf_counter()
 
     init = initial_state(variant, ranks, slots)
@@ -156,9 +157,9 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             rank = getattr(ev, "rank", None)
             if not late_writes and isinstance(ev, Land) and ev.req in state.ranks[rank].outcomes:
                 continue
-            if isinstance(ev, Fence) and not variant.fence_before_reuse:
-                # Without fence-before-reuse a fence only rules out later landings: the
-                # unfenced state can do everything the fenced one can, so skip it.
+            if isinstance(ev, Fence) and not fences_matter:
+                # Without fence-before-reuse or deferred release a fence only rules out
+                # later landings: the unfenced state can do everything the fenced one can.
                 continue
             if rank is None and isinstance(ev, Step) and state.steps >= steps:
                 continue

@@ -21,9 +21,13 @@ class ReplayMismatch(Exception):
     """The concrete spec does not do what the encoding predicted (an encoding bug)."""
 
 
-def to_events(steps: Sequence[Move]) -> list[Event]:
+def to_events(steps: Sequence[Move | Event]) -> list[Event]:
+    """The solver's moves as spec events (events, from the explicit-state search, pass)."""
     out: list[Event] = []
     for st in steps:
+        if not isinstance(st, Move):
+            out.append(st)
+            continue
         a = st.args
         if st.action == "enqueue":
             out.append(Enqueue(a["req"], a["room"], a["payload"]))

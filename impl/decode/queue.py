@@ -23,6 +23,7 @@ from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, g
                               resolve_variant)
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
+from model.spec.kvpoll import KVPoll
 from model.spec.variants import Variant
 
 
@@ -99,6 +100,7 @@ class StepPlan:
 
 
 _EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+AGES_FROM = int(KVPoll.Transferring)
 
 
 class DecodeTransferQueue:
@@ -263,11 +265,10 @@ class DecodeTransferQueue:
 
     def _age_input(self, age: np.ndarray) -> np.ndarray | int:
         """The ages, or 0 when that gives the kernel the same answers: it reads an age only
-        as ``age >= timeout_steps`` (model.spec.kernel, as its gate_table), and ages never
-        increase along the queue (added at 0, all aged together), so when the oldest is
-        below the timeout every request's answer is 0's and the rule folds away."""
+        as ``age >= timeout_steps`` (model.spec.kernel, as its gate_table), so when the
+        oldest is below the timeout every request's answer is 0's and the rule folds away."""
         timeout = self.variant.timeout_steps
-        return age if timeout is not None and age.size and int(age[0]) >= timeout else 0
+        return age if timeout is not None and age.size and int(age.max()) >= timeout else 0
 
     def finish_step(self, plan: StepPlan, reduced: torch.Tensor | np.ndarray
                     ) -> list[Committed | Aborted]:
@@ -287,7 +288,7 @@ class DecodeTransferQueue:
         keep = ~leave
         self._fingerprint = None
         self._slots, self._expected = self._slots[keep], self._expected[keep]
-        self._real, self._age = self._real[keep], self._age[keep] + 1
+        self._real, self._age = self._real[keep], (self._age + self._ages_by(reduced))[keep]
         self._refresh_views()
         keep_list = keep.tolist()
         self._reqs = [d for d, k in zip(plan.reqs, keep_list) if k]
@@ -298,12 +299,19 @@ class DecodeTransferQueue:
         self.steps += 1
         return results
 
+    def _ages_by(self, reduced: torch.Tensor) -> torch.Tensor:
+        """1 where a kept request ages: after a MIN of Transferring or Success (every
+        rank latched Success and a gate held it; as machine._pop), else 0."""
+        red = torch.as_tensor(reduced, device=self._age.device)
+        return (red >= AGES_FROM).to(torch.int64)
+
     def _keep_all(self, plan: StepPlan, reduced: Any) -> list[Committed | Aborted]:
         if self._on_cpu:
             age = self._views[2]              # the age tensor, through its numpy view
-            age += 1
+            red = reduced.numpy() if isinstance(reduced, torch.Tensor) else np.asarray(reduced)
+            age += red >= AGES_FROM
         else:
-            self._age += 1
+            self._age += self._ages_by(reduced)
         self._trace(plan, reduced, ())
         self.steps += 1
         return []

@@ -33,10 +33,12 @@ import z3
 
 from model.spec.kernel import Decision, gated_poll, pop_decision
 from model.spec.kvpoll import KVPoll
+from model.spec.variants import Admission, Deferral
 from model.encoding.vocab import Ctx, State, Z3OPS
 
 WAITING, SUCCESS, FAILED = int(KVPoll.WaitingForInput), int(KVPoll.Success), int(KVPoll.Failed)
-KEEP, COMMIT = int(Decision.KEEP), int(Decision.COMMIT)
+TRANSFERRING = int(KVPoll.Transferring)
+KEEP, COMMIT, ABORT_FAILED = int(Decision.KEEP), int(Decision.COMMIT), int(Decision.ABORT_FAILED)
 ACTION_NAMES = ("enqueue", "kv_done", "fail", "land_room", "land_payload", "fence", "step")
 
 
@@ -55,7 +57,7 @@ def init(ctx: Ctx, s: State) -> z3.BoolRef:
     parts = [ctx.forall(("Req",), lambda r: z3.Not(s.enq(r))),
              ctx.forall(("Rank", "Req"), lambda k, r: z3.And(
                  z3.Not(s.inq(k, r)), z3.Not(s.dec(k, r)), z3.Not(s.lr(k, r)), z3.Not(s.lp(k, r)),
-                 z3.Not(s.fen(k, r)), z3.Not(s.quar(k, r)))),
+                 z3.Not(s.fen(k, r)), z3.Not(s.quar(k, r)), z3.Not(s.held(k, r)))),
              ctx.forall(("Rank", "Slot"), lambda k, x: z3.And(s.free(k, x), s.rroom(k, x) == 0,
                                                               s.rpay(k, x) == 0)),
              s.clock() == 0]
@@ -66,17 +68,25 @@ def init(ctx: Ctx, s: State) -> z3.BoolRef:
 
 
 def _stamp_base(ctx: Ctx) -> int:
-    return ctx.sizes.reqs + 1 if ctx.finite else 1
+    return 2 * ctx.sizes.reqs + 1 if ctx.finite else 1
 
 
-def _free_slots(ctx: Ctx, s: State, freed: Callable[[Any, Any], Any]) -> State:
-    """Slots where ``freed`` holds go back to the free list (zeroed where the variant does)."""
+def _free_slots(ctx: Ctx, s: State, freed: Callable[[Any, Any], Any],
+                first: Callable[[Any, Any], Any] | None = None) -> State:
+    """Slots where ``freed`` holds go back to the free list (zeroed where the variant does).
+    Within one transition they go back in their owners' enqueue order, those where
+    ``first`` holds (deferred slots released before the step's pops) before the rest.
+    (Queue order; SGLang's set order of queue positions is the same order while the
+    positions are below 8, which every finite unrolling stays within.)"""
     base = _stamp_base(ctx)
+    late = ctx.sizes.reqs if ctx.finite else 0
     rroom = s.rroom
     if ctx.variant.clear_on_free:
         rroom = lambda k, x: z3.If(freed(k, x), 0, s.rroom(k, x))
+    rank = (lambda k, x: late) if first is None else (lambda k, x: z3.If(first(k, x), 0, late))
     return s.but(free=lambda k, x: z3.Or(s.free(k, x), freed(k, x)), rroom=rroom,
-                 stamp=lambda k, x: z3.If(freed(k, x), s.clock() * base + ctx.idx(s.owner(k, x)),
+                 stamp=lambda k, x: z3.If(freed(k, x),
+                                          s.clock() * base + rank(k, x) + ctx.idx(s.owner(k, x)),
                                           s.stamp(k, x)))
 
 
@@ -113,27 +123,61 @@ def enqueue(ctx: Ctx, s: State, r0: Any = None) -> Action:
                                                                  s.stamp(k, pick(k)) <= s.stamp(k, x))))
         return z3.And(ok)
 
-    guard = z3.And(ctx.member(r0, "Req"), ctx.first_fresh(s, r0), ctx.forall(("Rank",), slot_ok))
+    if ctx.variant.admission is Admission.AGREED:
+        # the MIN over ranks of their free slots is at least 1: every rank takes it
+        admit = lambda k: z3.BoolVal(True)
+        takes = [ctx.forall(("Rank",), slot_ok)]
+    else:
+        admit, takes = _local_admission(ctx, s, slot_ok)
+    guard = z3.And(ctx.member(r0, "Req"), ctx.first_fresh(s, r0), *takes)
     new = lambda r: r == r0
+    here = lambda k, r: z3.And(new(r), admit(k))
     post = s.but(
         enq=lambda r: z3.Or(s.enq(r), new(r)),
-        inq=lambda k, r: z3.Or(s.inq(k, r), new(r)),
-        recv=lambda k, r: z3.If(new(r), WAITING, s.recv(k, r)),
-        age=lambda k, r: z3.If(new(r), 0, s.age(k, r)),
-        slot=lambda k, r: z3.If(new(r), pick(k), s.slot(k, r)),
+        inq=lambda k, r: z3.Or(s.inq(k, r), here(k, r)),
+        recv=lambda k, r: z3.If(here(k, r), WAITING, s.recv(k, r)),
+        age=lambda k, r: z3.If(here(k, r), 0, s.age(k, r)),
+        slot=lambda k, r: z3.If(here(k, r), pick(k), s.slot(k, r)),
         **{f: (lambda g: lambda k, r: z3.And(g(k, r), z3.Not(new(r))))(getattr(s, f))
-           for f in ("dec", "lr", "lp", "fen", "quar")},
-        free=lambda k, x: z3.And(s.free(k, x), x != pick(k)),
-        owner=lambda k, x: z3.If(x == pick(k), r0, s.owner(k, x)))
+           for f in ("dec", "fen", "quar", "held")},
+        # no write targets a rank that did not take the request: nothing is in flight there
+        **{f: (lambda g: lambda k, r: z3.If(new(r), z3.Not(admit(k)), g(k, r)))(getattr(s, f))
+           for f in ("lr", "lp")},
+        free=lambda k, x: z3.And(s.free(k, x), z3.Not(z3.And(admit(k), x == pick(k)))),
+        owner=lambda k, x: z3.If(z3.And(admit(k), x == pick(k)), r0, s.owner(k, x)))
     return Action("enqueue", {"req": r0, "pick": pick}, guard, _tick(post))
 
 
+def _local_admission(ctx: Ctx, s: State, slot_ok: Callable[[Any], Any]
+                     ) -> tuple[Callable[[Any], Any], list[z3.BoolRef]]:
+    """Each rank takes the request iff it has a free slot of its own; at least one does.
+    Unbounded, "has a free slot" is a fresh predicate constrained both ways, plus the
+    capacity argument (docs/PROOFS.md): every rank has the same number of slots, and
+    the slots off a free list are exactly those its occupying requests hold
+    (slot_owner, slot_held), so ranks with the same occupying requests have the same
+    number of free slots and decide alike."""
+    if ctx.finite:
+        admit = lambda k: z3.Or([s.free(k, x) for x in ctx.elems["Slot"]])
+        return admit, [ctx.forall(("Rank",), lambda k: z3.Implies(admit(k), slot_ok(k))),
+                       z3.Or([admit(k) for k in ctx.elems["Rank"]])]
+    adm = ctx.fresh_fn("admits", "Rank", "Bool")
+    w = ctx.fresh("admitting_rank", "Rank")
+    same_occupants = ctx.forall(("Rank", "Rank", "Req"),
+                                lambda k1, k2, r: s.occupies(k1, r) == s.occupies(k2, r))
+    return adm, [ctx.forall(("Rank",), lambda k: z3.Implies(adm(k), slot_ok(k))),
+                 ctx.forall(("Rank", "Slot"), lambda k, x: z3.Implies(z3.Not(adm(k)),
+                                                                    z3.Not(s.free(k, x)))),
+                 adm(w),
+                 z3.Implies(same_occupants, ctx.forall(("Rank",), lambda k: adm(k) == adm(w)))]
+
+
 def receiver(ctx: Ctx, s: State, name: str, value: int, k0: Any = None, r0: Any = None) -> Action:
-    """kv_done (Success) or fail (Failed): latches a queued, unlatched receiver."""
+    """kv_done (Success) latches a queued, unlatched receiver; fail (Failed) also
+    overrides a latched Success while the request is queued (as the spec's _latch)."""
     k0, r0 = _params(ctx, name, k0, r0)
     rv = s.recv(k0, r0)
-    guard = z3.And(ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.inq(k0, r0),
-                   rv != SUCCESS, rv != FAILED)
+    unlatched = [rv != FAILED] if value == FAILED else [rv != SUCCESS, rv != FAILED]
+    guard = z3.And(ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.inq(k0, r0), *unlatched)
     return Action(name, {"rank": k0, "req": r0}, guard, _tick(s.but(recv=_set_at(s.recv, k0, r0, value))))
 
 
@@ -160,8 +204,14 @@ def fence(ctx: Ctx, s: State, k0: Any = None, r0: Any = None) -> Action:
     """Prefill acknowledged r0's abort on rank k0: nothing of r0 is in flight any more."""
     k0, r0 = _params(ctx, "fence", k0, r0)
     guard = z3.And(ctx.member(k0, "Rank"), ctx.member(r0, "Req"), s.enq(r0), s.dec(k0, r0),
-                   z3.Not(s.fen(k0, r0)), z3.Not(z3.And(s.lr(k0, r0), s.lp(k0, r0))))
+                   z3.Not(s.fen(k0, r0)),
+                   z3.Or(z3.Not(z3.And(s.lr(k0, r0), s.lp(k0, r0))), s.held(k0, r0)))
     mid = s.but(fen=_set_at(s.fen, k0, r0, True))
+    if ctx.variant.defer_failed is Deferral.LOCAL:     # the rank releases its held slot now
+        was = s.held(k0, r0)
+        x0 = s.slot(k0, r0)
+        mid = _free_slots(ctx, mid.but(held=_set_at(s.held, k0, r0, False)),
+                          lambda k, x: z3.And(was, k == k0, x == x0))
     return Action("fence", {"rank": k0, "req": r0}, guard, _writes_done(ctx, mid, k0, r0))
 
 
@@ -176,26 +226,59 @@ def protocol_step(ctx: Ctx, s: State) -> Action:
     d = lambda k, r: pop_decision(v, red(k, r), s.seen(k, r), ctx.room(r), Z3OPS)
     leaves = lambda k, r: z3.And(s.inq(k, r), d(k, r) != KEEP)
     commits = lambda k, r: z3.And(leaves(k, r), d(k, r) == COMMIT)
+    if v.defer_failed is Deferral.NONE:
+        defer = lambda k, r: z3.BoolVal(False)
+    else:
+        defer = lambda k, r: z3.And(leaves(k, r), d(k, r) == ABORT_FAILED)
     if v.fence_before_reuse:
-        hold = lambda k, r: z3.And(leaves(k, r), s.pending(k, r))
+        hold = lambda k, r: z3.And(leaves(k, r), s.pending(k, r), z3.Not(defer(k, r)))
     else:
         hold = lambda k, r: z3.BoolVal(False)
+    release, release_side = _deferred_release(ctx, s)
 
     def freed(k: Any, x: Any) -> Any:
         o = s.owner(k, x)
-        return z3.And(s.slot(k, o) == x, leaves(k, o), z3.Not(hold(k, o)))
+        return z3.And(s.slot(k, o) == x, z3.Or(
+            z3.And(leaves(k, o), z3.Not(hold(k, o)), z3.Not(defer(k, o))), release(k, o)))
+
+    def released(k: Any, x: Any) -> Any:
+        return release(k, s.owner(k, x))
 
     post = s.but(
         inq=lambda k, r: z3.And(s.inq(k, r), z3.Not(leaves(k, r))),
-        age=lambda k, r: z3.If(z3.And(s.inq(k, r), z3.Not(leaves(k, r))), s.age(k, r) + 1, s.age(k, r)),
+        # ages count only steps kept after a MIN of Transferring or Success (machine._pop)
+        age=lambda k, r: z3.If(z3.And(s.inq(k, r), z3.Not(leaves(k, r)), red(k, r) >= TRANSFERRING),
+                               s.age(k, r) + 1, s.age(k, r)),
         dec=lambda k, r: z3.Or(s.dec(k, r), leaves(k, r)),
         commit=lambda k, r: z3.If(leaves(k, r), d(k, r) == COMMIT, s.commit(k, r)),
         cpay=lambda k, r: z3.If(commits(k, r), s.rpay(k, s.slot(k, r)), s.cpay(k, r)),
         quar=lambda k, r: z3.Or(s.quar(k, r), hold(k, r)))
-    post = _tick(_free_slots(ctx, post, freed))
+    if v.defer_failed is not Deferral.NONE:
+        still = lambda k, r: z3.And(s.held(k, r), z3.Not(release(k, r)))
+        post = post.but(held=lambda k, r: z3.Or(still(k, r), defer(k, r)),
+                        hage=lambda k, r: z3.If(defer(k, r), 0,
+                                                z3.If(s.held(k, r), s.hage(k, r) + 1, s.hage(k, r))))
+    post = _tick(_free_slots(ctx, post, freed, released))
     guard = aligned if ctx.finite else z3.BoolVal(True)
-    return Action("step", {}, guard, post, side + min_side,
+    return Action("step", {}, guard, post, side + min_side + release_side,
                   {"gated": g, "reduced": red, "decision": d})
+
+
+def _deferred_release(ctx: Ctx, s: State) -> tuple[Callable[[Any, Any], Any], list[z3.BoolRef]]:
+    """Which deferred slots a step releases before its pops (machine._release_held):
+    fenced, or held release_timeout_steps steps counting this one; judged per rank
+    (local) or once every rank holding the request can release it (agreed: the MIN
+    over ranks of "not held or can release")."""
+    v = ctx.variant
+    if v.defer_failed is Deferral.NONE:
+        return (lambda k, r: z3.BoolVal(False)), []
+    limit = v.release_timeout_steps
+    can = lambda k, r: z3.Or(s.fen(k, r), (s.hage(k, r) + 1 >= limit) if limit is not None
+                             else z3.BoolVal(False))
+    if v.defer_failed is Deferral.LOCAL:
+        return (lambda k, r: z3.And(s.held(k, r), can(k, r))), []
+    ok, side = ctx.rank_min(lambda k, r: z3.If(z3.Or(z3.Not(s.held(k, r)), can(k, r)), 1, 0))
+    return (lambda k, r: z3.And(s.held(k, r), ok(r) == 1)), side
 
 
 def actions(ctx: Ctx, s: State) -> list[Action]:

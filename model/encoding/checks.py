@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import z3
 
-from model.spec.variants import Variant
+from model.spec.variants import Deferral, Variant
 from model.encoding.actions import ACTION_NAMES, Action, actions, ground_actions, init, protocol_step
 from model.encoding.invariants import PREDICATES
 from model.encoding.solver import CheckResult, Solver
@@ -128,9 +128,9 @@ class Unrolling:
         sels = [z3.Bool(f"sel_{a.name}{_ground_name(a)}@{i}") for a in acts]
         self.solver.add(z3.PbEq([(b, 1) for b in sels], 1))
         for b, a in zip(sels, acts):
-            if a.name == "fence" and not ctx.variant.fence_before_reuse:
-                # Without fence_before_reuse a fence only disables later lands: dropping
-                # it (and those lands) gives a shorter run agreeing on every invariant.
+            if a.name == "fence" and not fences_matter(ctx.variant):
+                # Without fence_before_reuse or deferral a fence only disables later lands:
+                # dropping it (and those lands) gives a shorter run agreeing on every invariant.
                 self.solver.add(z3.Not(b))
             else:
                 self.solver.add(z3.Implies(b, z3.simplify(z3.And(a.guard, *a.side))))
@@ -206,6 +206,11 @@ class Unrolling:
                 args["payload"] = model.eval(ctx.payload(r), model_completion=True).as_long()
             out.append(Move(a.name, args))
         return out
+
+
+def fences_matter(v: Variant) -> bool:
+    """A fence frees a slot (strict's quarantine, a deferred release), not only stops lands."""
+    return v.fence_before_reuse or v.defer_failed is not Deferral.NONE
 
 
 def bmc(variant: Variant, sizes: Sizes, goal: Goal, max_depth: int,

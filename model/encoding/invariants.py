@@ -45,7 +45,7 @@ def fresh_is_blank(c: Ctx, s: State) -> z3.BoolRef:
     """A request not yet enqueued has no queue entry, outcome, landed write or fence."""
     return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(z3.Not(s.enq(r)), z3.And(
         z3.Not(s.inq(k, r)), z3.Not(s.dec(k, r)), z3.Not(s.lr(k, r)), z3.Not(s.lp(k, r)),
-        z3.Not(s.fen(k, r)), z3.Not(s.quar(k, r)))))
+        z3.Not(s.fen(k, r)), z3.Not(s.quar(k, r)), z3.Not(s.held(k, r)))))
 
 
 def recv_range(c: Ctx, s: State) -> z3.BoolRef:
@@ -72,8 +72,21 @@ def slot_held(c: Ctx, s: State) -> z3.BoolRef:
 
 
 def quarantine_decided(c: Ctx, s: State) -> z3.BoolRef:
-    return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(s.quar(k, r), z3.And(
-        s.dec(k, r), z3.Not(s.inq(k, r)))))
+    """A quarantined or deferred slot belongs to a request that left the queue."""
+    return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(z3.Or(s.quar(k, r), s.held(k, r)), z3.And(
+        s.dec(k, r), z3.Not(s.inq(k, r)), z3.Not(z3.And(s.quar(k, r), s.held(k, r))))))
+
+
+def no_quarantine(c: Ctx, s: State) -> z3.BoolRef:
+    """Variants without fence-before-reuse never quarantine a slot."""
+    return c.forall(("Rank", "Req"), lambda k, r: z3.Not(s.quar(k, r)))
+
+
+def occupancy_agrees(c: Ctx, s: State) -> z3.BoolRef:
+    """Every rank's slots are held by the same requests (queued or deferred): with local
+    admission that is what makes the ranks' free-slot counts, hence their admission
+    decisions, equal (the capacity argument in actions._local_admission)."""
+    return c.forall(("Rank", "Rank", "Req"), lambda k1, k2, r: s.occupies(k1, r) == s.occupies(k2, r))
 
 
 def writes_to_held_slots(c: Ctx, s: State) -> z3.BoolRef:
@@ -108,6 +121,7 @@ SAFETY: dict[str, Pred] = {
 
 LEMMAS: dict[str, Pred] = {f.__name__: f for f in (
     fresh_is_blank, recv_range, ages_agree, slot_owner, slot_held, quarantine_decided,
+    no_quarantine, occupancy_agrees,
     writes_to_held_slots, free_rows_zero, room_is_own_or_zero, room_after_payload, payload_is_own)}
 
 PREDICATES: dict[str, Pred] = {**SAFETY, "bounded_wait": bounded_wait, **LEMMAS}

@@ -42,6 +42,8 @@ SIGNATURE: dict[str, tuple[tuple[str, ...], str]] = {
     "lp": (("Rank", "Req"), "Bool"),        # its payload write landed here
     "fen": (("Rank", "Req"), "Bool"),       # its in-flight writes here are fenced
     "quar": (("Rank", "Req"), "Bool"),      # left; slot held until writes are done
+    "held": (("Rank", "Req"), "Bool"),      # aborted as Failed; slot deferred (#35049)
+    "hage": (("Rank", "Req"), "Int"),       # steps its deferred slot has been held
     "free": (("Rank", "Slot"), "Bool"),     # slot on the free list
     "rroom": (("Rank", "Slot"), "Int"),     # row: bootstrap_room column 0
     "rpay": (("Rank", "Slot"), "Int"),      # row: first output token
@@ -66,6 +68,8 @@ class State:
     lp: Callable[..., Any]
     fen: Callable[..., Any]
     quar: Callable[..., Any]
+    held: Callable[..., Any]
+    hage: Callable[..., Any]
     free: Callable[..., Any]
     rroom: Callable[..., Any]
     rpay: Callable[..., Any]
@@ -82,8 +86,9 @@ class State:
                       z3.Not(self.fen(k, r)))
 
     def occupies(self, k: Any, r: Any) -> Any:
-        """r holds its slot on rank k: queued, or quarantined until its writes are done."""
-        return z3.Or(self.inq(k, r), self.quar(k, r))
+        """r holds its slot on rank k: queued, quarantined until its writes are done, or
+        held by a deferred release."""
+        return z3.Or(self.inq(k, r), self.quar(k, r), self.held(k, r))
 
     def seen(self, k: Any, r: Any) -> Any:
         """The room rank k reads in r's slot."""

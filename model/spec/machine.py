@@ -15,9 +15,14 @@ from model.spec.kernel import Decision, compare_index, gate_table, keep_regardle
 from model.spec.kvpoll import CollectiveMismatch, KVPoll, min_reduce
 from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
                               SystemState)
-from model.spec.variants import Variant
+from model.spec.variants import Admission, Deferral, FreeOrder, Variant
 
 _LATCHED = (int(KVPoll.Success), int(KVPoll.Failed))
+_FAILED, _SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)
+# A kept request ages (toward strict's timeout) only after a MIN of at least this: every
+# rank's receiver latched Success and some gate held it (WaitingForInput is the receiver's
+# own timeout, not the gate's).
+_AGES_FROM = int(KVPoll.Transferring)
 _FIELD_BIT = {ROOM: ROOM_BIT, PAYLOAD: PAYLOAD_BIT}
 
 
@@ -66,12 +71,14 @@ def _rank(state: SystemState, rank: int) -> RankState:
 
 
 def _latch(state: SystemState, rank: int, req: int, value: int, what: str) -> None:
-    """The receiver of ``req`` on ``rank`` reports ``value`` (once: it latches)."""
+    """The receiver of ``req`` on ``rank`` reports ``value``. It latches, except that a
+    Failed still overrides a latched Success while the request is queued (the gate may
+    be holding it: the failure is honoured, and the MIN aborts it on every rank)."""
     recv = _rank(state, rank).recv
     current = recv.get(req)
     if current is None:
         raise EventNotEnabled(f"{what}: request {req} is not in rank {rank}'s transfer queue")
-    if current in _LATCHED:
+    if current == _FAILED or (current == _SUCCESS and value != _FAILED):
         raise EventNotEnabled(f"{what}: request {req} on rank {rank} already latched "
                               f"{KVPoll(current).name}")
     recv[req] = value
@@ -87,16 +94,22 @@ def _free_slot(state: SystemState, rs: RankState, req: int) -> None:
 
 def _forget_if_done(rs: RankState, req: int) -> None:
     """Drop bookkeeping of a request that left and can receive no more writes here."""
-    if req in rs.outcomes and (rs.landed.get(req, 0) == ALL_FIELDS or req in rs.fenced):
+    if req in rs.outcomes and req not in rs.held and (
+            rs.landed.get(req, 0) == ALL_FIELDS or req in rs.fenced):
         rs.landed.pop(req, None)
         rs.slot_of.pop(req, None)
         rs.fenced.discard(req)
 
 
-def _release(state: SystemState, rs: RankState, req: int) -> None:
-    """After a pop: free the slot now, or quarantine it until its writes are fenced."""
+def _release(state: SystemState, rs: RankState, req: int, decision: int | None = None) -> None:
+    """After a pop: free the slot now, hold it (a failed request where the variant defers
+    its release), or quarantine it until its writes are fenced."""
+    v = state.variant
+    if decision == Decision.ABORT_FAILED and v.defer_failed is not Deferral.NONE:
+        rs.held[req] = 0
+        return
     pending = rs.landed[req] != ALL_FIELDS and req not in rs.fenced
-    if state.variant.fence_before_reuse and pending:
+    if v.fence_before_reuse and pending:
         rs.quarantined.add(req)
     else:
         _free_slot(state, rs, req)
@@ -114,14 +127,28 @@ def _writes_done(state: SystemState, rs: RankState, req: int) -> None:
     _forget_if_done(rs, req)
 
 
+def admitting(state: SystemState) -> list[int]:
+    """The ranks that take the next request into their transfer queue. Agreed admission:
+    every rank or none (the MIN over ranks of their free slots is at least 1). Local
+    admission: each rank with a free slot of its own; a rank without one leaves the
+    request in its prealloc queue, so the ranks' queues differ from here on."""
+    has_room = [k for k, rs in enumerate(state.ranks) if rs.free]
+    if state.variant.admission is Admission.AGREED and len(has_room) < len(state.ranks):
+        return []
+    return has_room
+
+
 def _enqueue(state: SystemState, ev: Enqueue) -> None:
     if ev.req in state.requests:
         raise EventNotEnabled(f"enqueue: request {ev.req} was already enqueued")
-    for k, rs in enumerate(state.ranks):
-        if not rs.free:
-            raise EventNotEnabled(f"enqueue: rank {k} has no free metadata slot")
+    takers = admitting(state)
+    if not takers:
+        full = next(k for k, rs in enumerate(state.ranks) if not rs.free)
+        raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
     state.requests[ev.req] = Request(ev.room, ev.payload)
-    for rs in state.ranks:
+    ranks = state.ranks
+    for k in takers:
+        rs = ranks[k]
         slot = rs.free.pop(0)
         rs.queue.append(ev.req)
         rs.recv[ev.req] = WAITING
@@ -161,7 +188,12 @@ def _fence(state: SystemState, ev: Fence) -> None:
         raise EventNotEnabled(f"fence: request {ev.req} has not left rank {ev.rank}'s queue")
     if ev.req not in rs.landed:
         raise EventNotEnabled(f"fence: request {ev.req} has no write in flight to rank {ev.rank}")
+    if ev.req in rs.fenced:     # still tracked only while its deferred slot is held
+        raise EventNotEnabled(f"fence: request {ev.req} is already fenced on rank {ev.rank}")
     rs.fenced.add(ev.req)
+    if ev.req in rs.held and state.variant.defer_failed is Deferral.LOCAL:
+        del rs.held[ev.req]         # this rank releases on its own acknowledgement, at once
+        _free_slot(state, rs, ev.req)
     _writes_done(state, rs, ev.req)
 
 
@@ -195,26 +227,72 @@ def _pop(state: SystemState, rs: RankState, reduced: list[int], pop: tuple | Non
     keeps regardless of the rooms), ages of the kept, outcomes and slot release."""
     age = rs.age
     if pop is None:
-        for r in rs.queue:
-            age[r] += 1
+        for red, r in zip(reduced, rs.queue):
+            if red >= _AGES_FROM:
+                age[r] += 1
         return ()
     kept: list[int] = []
     popped: list[tuple[int, int, int]] = []
+    positions: list[int] = []
     requests, room_at, slot_of = state.requests, rs.room_at, rs.slot_of
-    for red, r in zip(reduced, rs.queue):
+    for pos, (red, r) in enumerate(zip(reduced, rs.queue)):
         slot = slot_of[r]
         d = pop[red * 8 + compare_index(room_at[slot], requests[r].room)]
         if d is Decision.KEEP:
             kept.append(r)
-            age[r] += 1
+            if red >= _AGES_FROM:
+                age[r] += 1
             continue
         popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
+        positions.append(pos)
     rs.queue = kept          # a new list: the one before the step stays intact
-    for r, d, payload in popped:
+    for r, d, payload in _release_order(state.variant, popped, positions):
         del rs.recv[r], age[r]
         rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
-        _release(state, rs, r)
+        _release(state, rs, r, d)
     return tuple(popped)
+
+
+def _release_order(v: Variant, popped: list, positions: list[int]) -> list:
+    """The popped requests in the order their slots go back to the free list: queue
+    order, or (SGLang) the iteration order of ``set(positions)``, which CPython fixes
+    for ints by their hash (the value) modulo the set's table size."""
+    if v.free_order is FreeOrder.QUEUE or len(popped) < 2:
+        return popped
+    by_pos = dict(zip(positions, popped))
+    return [by_pos[pos] for pos in set(positions)]
+
+
+def _release_held(state: SystemState) -> None:
+    """Before a step's pops: every slot held since an earlier step counts this step, and
+    is released where it has now been held ``release_timeout_steps`` steps or (agreed
+    deferral) where every rank holding it is fenced or timed out (MAX to hold, MIN to
+    release). Local deferral released fenced slots at the Fence already. Released slots
+    go back in enqueue order."""
+    v = state.variant
+    limit = v.release_timeout_steps
+    ranks = state.ranks
+    for rs in ranks:
+        for r in rs.held:
+            rs.held[r] += 1
+
+    def can_release(rs: RankState, r: int) -> bool:
+        return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
+
+    if v.defer_failed is Deferral.AGREED:     # decided on the pre-step holds of every rank
+        ok = {r for rs in ranks for r in rs.held
+              if all(can_release(o, r) for o in ranks if r in o.held)}
+        release = [[r for r in rs.held if r in ok] for rs in ranks]
+    else:
+        release = [[r for r in rs.held if can_release(rs, r)] for rs in ranks]
+    for rs, out in zip(ranks, release):
+        if len(out) > 1:
+            order = {r: i for i, r in enumerate(state.requests)}     # enqueue order
+            out.sort(key=order.__getitem__)
+        for r in out:
+            del rs.held[r]
+            _free_slot(state, rs, r)
+            _forget_if_done(rs, r)
 
 
 def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
@@ -237,6 +315,8 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
             for k in range(len(ranks))), exc.lengths)
     # Reduced values whose pop decision is KEEP whatever the rooms need no table lookup.
     rank_pop = None if all(keeps[red] for red in reduced) else pop
+    if state.variant.defer_failed is not Deferral.NONE:
+        _release_held(state)
     popped = [_pop(state, rs, reduced, rank_pop) for rs in ranks]
     step_no = state.steps
     state.steps += 1
@@ -342,13 +422,15 @@ def enabled(state: SystemState, new_requests: Iterable[Enqueue] = ()) -> list[Ev
     if state.hung is not None:
         return []
     events: list[Event] = [Step()]
-    if all(rs.free for rs in state.ranks):
+    if admitting(state):
         events.extend(e for e in new_requests if e.req not in state.requests)
     v = state.variant
     for k, rs in enumerate(state.ranks):
         for r in rs.queue:
-            if rs.recv[r] not in _LATCHED:
+            p = rs.recv[r]
+            if p not in _LATCHED:
                 events.append(KvDone(k, r))
+            if p != _FAILED:
                 events.append(Fail(k, r))
         for r, bits in sorted(rs.landed.items()):
             if r in rs.fenced:

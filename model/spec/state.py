@@ -27,7 +27,8 @@ class RankState:
     """One TP rank: its transfer queue, receivers, slots and metadata rows."""
     queue: list[int]                  # request ids, in queue order
     recv: dict[int, int]              # queued request -> receiver poll (monotonic, latched)
-    age: dict[int, int]               # queued request -> protocol steps polled so far
+    age: dict[int, int]               # queued request -> steps kept after a MIN of Transferring
+    #                                   or Success (every rank's receiver latched Success)
     slot_of: dict[int, int]           # request -> its slot here, kept while writes may land
     landed: dict[int, int]            # request -> bitmask of its fields visible here
     fenced: set[int]                  # requests whose in-flight writes here are fenced
@@ -37,18 +38,21 @@ class RankState:
     free: list[int]                   # FIFO free list: alloc pops the front, free appends
     outcomes: dict[int, tuple[str, int]] = field(default_factory=dict)
     # request -> ("commit", payload read) or ("abort", Decision value)
+    held: dict[int, int] = field(default_factory=dict)
+    # request aborted as Failed whose slot the variant defers (#35049) -> steps held so far
 
     def copy(self) -> "RankState":
         return RankState(list(self.queue), dict(self.recv), dict(self.age), dict(self.slot_of),
                          dict(self.landed), set(self.fenced), set(self.quarantined),
                          list(self.room_at), list(self.payload_at), list(self.free),
-                         dict(self.outcomes))
+                         dict(self.outcomes), dict(self.held))
 
     def key(self) -> tuple:
         return (tuple(self.queue), tuple(sorted(self.recv.items())), tuple(sorted(self.age.items())),
                 tuple(sorted(self.slot_of.items())), tuple(sorted(self.landed.items())),
                 tuple(sorted(self.fenced)), tuple(sorted(self.quarantined)), tuple(self.room_at),
-                tuple(self.payload_at), tuple(self.free), tuple(sorted(self.outcomes.items())))
+                tuple(self.payload_at), tuple(self.free), tuple(sorted(self.outcomes.items())),
+                tuple(sorted(self.held.items())))
 
     def room_seen(self, req: int) -> int:
         return self.room_at[self.slot_of[req]]

@@ -9,6 +9,29 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 
+class Admission(Enum):
+    """How the ranks decide to take the next request into the transfer queue."""
+    AGREED = "agreed"      # the MIN over ranks of the free slots: all take it, or none does
+    LOCAL = "local"        # each rank on its own free slots (SGLang's prealloc queue)
+
+
+class FreeOrder(Enum):
+    """The order in which one step's popped requests give their slots back (the FIFO free
+    list then hands them out in that order)."""
+    QUEUE = "queue"        # queue order (pdgate's impl)
+    SET = "set"            # iteration order of a Python set of queue positions (SGLang's
+    # ``indices_to_remove``): ascending only while the positions stay below the set's
+    # table size (8 slots, then 32, ...), e.g. list({9, 2}) == [9, 2]
+
+
+class Deferral(Enum):
+    """What happens to a request's slot after the MIN aborts it as Failed (SGLang #35049).
+    Commits and room aborts free at once in every variant."""
+    NONE = "none"          # freed at once (strict's fence quarantine is separate)
+    LOCAL = "local"        # held per rank until that rank's Fence or the release timeout
+    AGREED = "agreed"      # held until every rank can release (MAX to hold, MIN to release)
+
+
 class GateRule(Enum):
     NONE = "none"          # no gate: local Success goes straight into the MIN
     NONZERO = "nonzero"    # hold Success while the local room reads 0 (SGLang 0.5.13)
@@ -35,6 +58,12 @@ class Variant:
     timeout_steps: int | None
     # An expected room of 0 cannot be told apart from a cleared slot: fail it locally.
     fail_zero_room: bool
+    admission: Admission = Admission.AGREED
+    free_order: FreeOrder = FreeOrder.QUEUE
+    defer_failed: Deferral = Deferral.NONE
+    # A held (deferred) slot is released after this many protocol steps even without a
+    # Fence (SGLang: 30 s); None: only a Fence releases it.
+    release_timeout_steps: int | None = None
 
     def describe(self) -> str:
         parts = [f"gate={self.gate.value}"]
@@ -48,10 +77,20 @@ class Variant:
             parts.append(f"timeout={self.timeout_steps}")
         if self.fail_zero_room:
             parts.append("fail-room-0")
+        parts.append(f"admission={self.admission.value}")
+        if self.free_order is not FreeOrder.QUEUE:
+            parts.append(f"free-order={self.free_order.value}")
+        if self.defer_failed is not Deferral.NONE:
+            release = (f", release-timeout={self.release_timeout_steps}"
+                       if self.release_timeout_steps is not None else "")
+            parts.append(f"defer-failed={self.defer_failed.value}{release}")
         return ", ".join(parts)
 
 
+# The proofs' small bounds (what `pdgate prove` and the explorer use). Deployments
+# configure seconds and convert them (impl.decode.timeouts); these are not deployable.
 DEFAULT_TIMEOUT_STEPS = 4
+DEFAULT_RELEASE_STEPS = 1
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
@@ -68,6 +107,19 @@ VARIANTS: dict[str, Variant] = {
         Variant("strict", GateRule.MATCH, keep_on_room_zero=False, clear_on_free=True,
                 fence_before_reuse=True, room_after_payload=True,
                 timeout_steps=DEFAULT_TIMEOUT_STEPS, fail_zero_room=True),
+        # SGLang 0.5.19 to 0.5.22 (#35049, on by default with Mooncake from 0.5.21): a
+        # failed request's slot is held per rank until that rank's Fence or a per-rank
+        # release timeout; admission reads the rank's own free slots.
+        Variant("deferred-local", GateRule.NONZERO, keep_on_room_zero=False, clear_on_free=True,
+                fence_before_reuse=False, room_after_payload=False, timeout_steps=None,
+                fail_zero_room=False, admission=Admission.LOCAL, free_order=FreeOrder.SET,
+                defer_failed=Deferral.LOCAL, release_timeout_steps=DEFAULT_RELEASE_STEPS),
+        # SGLang 0.5.23: holds and releases agreed across ranks (all_reduce_flags MAX, then
+        # MIN: "Releasing only on some ranks would diverge admission").
+        Variant("deferred", GateRule.NONZERO, keep_on_room_zero=False, clear_on_free=True,
+                fence_before_reuse=False, room_after_payload=False, timeout_steps=None,
+                fail_zero_room=False, admission=Admission.LOCAL, free_order=FreeOrder.SET,
+                defer_failed=Deferral.AGREED, release_timeout_steps=DEFAULT_RELEASE_STEPS),
     )
 }
 
@@ -78,19 +130,30 @@ ABLATIONS: dict[str, Variant] = {
     name: replace(VARIANTS["strict"], name=name, **change)
     for name, change in (("strict-no-fence", {"fence_before_reuse": False}),
                          ("strict-no-room-order", {"room_after_payload": False}),
-                         ("strict-no-timeout", {"timeout_steps": None}))
+                         ("strict-no-timeout", {"timeout_steps": None}),
+                         # agreed admission is what keeps strict's per-rank quarantine
+                         # from diverging the queues
+                         ("strict-local-admission", {"admission": Admission.LOCAL}),
+                         # the proofs do not depend on the free order
+                         ("strict-set-order", {"free_order": FreeOrder.SET}))
 }
 
 
-def get_variant(name: str, timeout_steps: int | None = None) -> Variant:
-    """Look a variant (or an ablation) up by name; ``timeout_steps`` overrides strict's bound."""
+def get_variant(name: str, timeout_steps: int | None = None,
+                release_timeout_steps: int | None = None) -> Variant:
+    """Look a variant (or an ablation) up by name; ``timeout_steps`` overrides strict's
+    bound, ``release_timeout_steps`` the deferred variants' release timeout."""
     variant = VARIANTS.get(name) or ABLATIONS.get(name)
     if variant is None:
         raise ValueError(f"unknown variant {name!r} (known: {', '.join([*VARIANTS, *ABLATIONS])})")
-    if timeout_steps is not None:
-        if variant.timeout_steps is None:
-            raise ValueError(f"variant {name!r} has no timeout to override")
-        if timeout_steps < 1:
-            raise ValueError(f"timeout_steps must be >= 1, got {timeout_steps}")
-        variant = replace(variant, timeout_steps=timeout_steps)
+    for field_name, what, value in (("timeout_steps", "timeout", timeout_steps),
+                                    ("release_timeout_steps", "release timeout",
+                                     release_timeout_steps)):
+        if value is None:
+            continue
+        if getattr(variant, field_name) is None:
+            raise ValueError(f"variant {name!r} has no {what} to override")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field_name} must be an integer >= 1, got {value!r}")
+        variant = replace(variant, **{field_name: value})
     return variant

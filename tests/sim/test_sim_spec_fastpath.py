@@ -43,7 +43,8 @@ def test_equal_rooms_and_zero_rooms_exhaustively():
 from model.spec.events import Enqueue, Step
 from model.spec.kernel import Decision as D
 from model.spec.kvpoll import CollectiveMismatch, min_reduce
-from model.spec.machine import RankStep, StepRecord, _release, apply, enabled
+from model.spec.machine import RankStep, StepRecord, _release, _release_held, apply, enabled
+from model.spec.variants import Deferral, FreeOrder
 
 
 def naive_step(state):
@@ -59,6 +60,8 @@ def naive_step(state):
             RankStep(k, tuple(rs.queue), tuple(locals_[k]), tuple(gateds[k]), (), ())
             for k, rs in enumerate(state.ranks)), exc.lengths)
     records = []
+    if v.defer_failed is not Deferral.NONE:
+        _release_held(state)
     for k, rs in enumerate(state.ranks):
         before, popped, kept = tuple(rs.queue), [], []
         for red, r in zip(reduced, before):
@@ -66,15 +69,18 @@ def naive_step(state):
             d = D(pop_decision(v, red, rs.room_at[slot], state.requests[r].room))
             if d is D.KEEP:
                 kept.append(r)
+                rs.age[r] += red >= 3          # ages only after a MIN of Transferring or more
             else:
                 popped.append((r, int(d), rs.payload_at[slot] if d is D.COMMIT else 0))
         rs.queue = kept
-        for r in kept:
-            rs.age[r] += 1
-        for r, d, payload in popped:
+        order = popped
+        if v.free_order is FreeOrder.SET:      # SGLang frees in set(positions) order
+            at = {before.index(p[0]): p for p in popped}
+            order = [at[i] for i in set(at)]
+        for r, d, payload in order:
             del rs.recv[r], rs.age[r]
             rs.outcomes[r] = ("commit", payload) if d == D.COMMIT else ("abort", d)
-            _release(state, rs, r)
+            _release(state, rs, r, d)
         records.append(RankStep(k, before, tuple(locals_[k]), tuple(gateds[k]), tuple(reduced),
                                 tuple(popped)))
     state.steps += 1

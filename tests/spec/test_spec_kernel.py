@@ -19,8 +19,8 @@ AGES = range(0, 7)
 def reference_gate(name: str, local: int, seen: int, expected: int, age: int,
                    timeout: int | None) -> int:
     value = local
-    if name in ("gate", "gate-noclear"):
-        # 0.5.13: Success -> Transferring while the local room reads 0.
+    if name in ("gate", "gate-noclear", "deferred-local", "deferred"):
+        # 0.5.13 to 0.5.23: Success -> Transferring while the local room reads 0.
         if local == S and seen == 0:
             value = T
     elif name == "strict":

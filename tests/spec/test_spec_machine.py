@@ -7,6 +7,7 @@ import random
 import pytest
 
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
+from model.spec.kernel import Decision
 from model.spec.kvpoll import KVPoll
 from model.spec.machine import EventNotEnabled, apply, enabled, step
 from model.spec.state import initial_state
@@ -86,14 +87,22 @@ def test_out_of_range_rank_and_unknown_field_are_refused():
         apply(s, Land(0, 1, "logprobs"))
 
 
-def test_receiver_latches():
+def test_receiver_latches_but_a_failure_after_success_is_honoured_while_queued():
     s = initial_state(VARIANTS["gate"], 1, 1)
     apply(s, Enqueue(1, 7, 5))
     apply(s, KvDone(0, 1))
     assert s.ranks[0].recv[1] == KVPoll.Success
+    with pytest.raises(EventNotEnabled, match="already latched Success"):
+        apply(s, KvDone(0, 1))
+    apply(s, Fail(0, 1))                       # the gate was holding it: Failed wins
+    assert s.ranks[0].recv[1] == KVPoll.Failed
     for ev in (Fail(0, 1), KvDone(0, 1)):
-        with pytest.raises(EventNotEnabled, match="already latched Success"):
+        with pytest.raises(EventNotEnabled, match="already latched Failed"):
             apply(s, ev)
+    apply(s, Step())
+    assert s.ranks[0].outcomes[1] == ("abort", Decision.ABORT_FAILED)
+    with pytest.raises(EventNotEnabled, match="not in rank 0's transfer queue"):
+        apply(s, Fail(0, 1))
 
 
 def test_slots_are_a_fifo_free_list():
@@ -199,14 +208,19 @@ def test_step_never_mutates_its_input(variant):
             assert s.key() == snapshot.key()
 
 
-def test_enqueue_happens_on_every_rank_and_ages_count_steps():
+def test_enqueue_happens_on_every_rank_and_ages_count_only_gate_held_steps():
     s = initial_state(VARIANTS["gate"], 3, 2)
     apply(s, Enqueue(4, 7, 5))
     apply(s, Step())
     apply(s, Step())
-    for rs in s.ranks:
-        assert rs.queue == [4] and rs.age == {4: 2} and rs.recv[4] == KVPoll.WaitingForInput
-    assert s.steps == 2
+    for rs in s.ranks:       # WaitingForInput is the receiver's timeout, not the gate's
+        assert rs.queue == [4] and rs.age == {4: 0} and rs.recv[4] == KVPoll.WaitingForInput
+    for k in range(3):
+        apply(s, KvDone(k, 4))
+    apply(s, Land(0, 4, "room"))
+    apply(s, Step())         # every rank latched Success, ranks 1 and 2 hold it: MIN Transferring
+    assert [rs.age for rs in s.ranks] == [{4: 1}] * 3
+    assert s.steps == 3
     with pytest.raises(EventNotEnabled, match="already enqueued"):
         apply(s, Enqueue(4, 9, 9))
 
