@@ -43,7 +43,8 @@ def release_variant(version: str, deferred: bool, patch: str | None) -> str:
         return patch
     if key < (0, 5, 13):
         return "ungated"
-    if deferred and key >= (0, 5, 19):
+    # 0.5.19-0.5.20 defer only decode-initiated aborts (none in a trace): gate
+    if deferred and key >= (0, 5, 21):
         return "deferred" if key >= (0, 5, 23) else "deferred-local"
     return "gate"
 

@@ -8,8 +8,8 @@ variant, now with a collective that cannot hang).
 ``install(release)`` / ``install_into(loaded)``: the strict patch. SGLang's own
 ``pop_transferred`` keeps its loop; what it calls gets strict's rules: the gate holds
 Success until the slot's room *equals* the request's (not merely non-zero), a request
-whose metadata has not matched within ``timeout_steps`` polls is Failed before the MIN
-(so every rank aborts it in the same step), an expected room of 0 fails, a room mismatch
+the gate held for ``timeout_steps`` steps (steps whose MIN was Transferring or Success)
+is Failed before the MIN (so every rank aborts it in the same step), an expected room of 0 fails, a room mismatch
 seen at commit time is agreed with one MAX all-reduce of the local flags before any rank
 drops the request, and a popped request's slot is reused only once its receiver says
 ``writes_fenced()`` (``queue.release_fenced()`` frees it; receivers without the method
@@ -22,6 +22,7 @@ from typing import Any, Callable
 from impl.decode import polling
 
 _NAMES = ("poll_and_all_reduce", "poll_and_all_reduce_with_staging")
+_AGES_FROM = 3      # KVPoll.Transferring: a kept request ages after a MIN of at least this
 
 
 def _note(release: Any) -> Callable[[list], None] | None:
@@ -139,6 +140,12 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
                 "transfer_backend": release.server_args.disaggregation_transfer_backend,
                 "trace": _note(release)}
 
+    def note_reduced(decode_reqs: Any, reduced: list) -> None:
+        """The MIN per request, for ageing after the step (strict's timeout counts only
+        steps whose MIN was Transferring or Success: some gate held the request)."""
+        if release.current_queue is not None and decode_reqs is not None:
+            release.current_queue._pdgate_reduced = {id(d): r for d, r in zip(decode_reqs, reduced)}
+
     def agree_mismatch(reduced: list, gloo_group: Any, decode_reqs: Any, metadata_buffers: Any,
                        server_args: Any) -> list:
         if decode_reqs is None or metadata_buffers is None:
@@ -168,6 +175,7 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
         decode_reqs, metadata_buffers, ages = context(decode_reqs, metadata_buffers)
         reduced = polling.poll_and_all_reduce(pollers, gloo_group, decode_reqs, metadata_buffers,
                                               server_args, **options(ages))
+        note_reduced(decode_reqs, reduced)
         return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
 
     def staged(decode_reqs: Any, staging_handler: Any, gloo_group: Any,
@@ -177,6 +185,7 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
         reduced = polling.poll_and_all_reduce_with_staging(
             decode_reqs, staging_handler, gloo_group, metadata_buffers, server_args, pollers,
             **options(ages))
+        note_reduced(decode_reqs, reduced)
         return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
     return poll, staged
 
@@ -215,7 +224,10 @@ def install_into(release: Any, timeout_steps: int | None = None,
             self.req_to_metadata_buffer_idx_allocator = real
             release.current_queue = None
         agree_releases(self)
-        self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0) + 1 for d in self.queue}
+        held = getattr(self, "_pdgate_reduced", {})
+        self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0)
+                             + (held.get(id(d), 0) >= _AGES_FROM) for d in self.queue}
+        self._pdgate_reduced = {}
         return out
 
     def agree_releases(self: Any) -> None:

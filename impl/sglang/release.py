@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from impl.sglang import fakes, stubs
 from impl.sglang.wheels import open_wheel, parse_version
 from model.spec.events import ROOM, Enqueue, Event, Fail, Fence, KvDone, Land
 from model.spec.kernel import Decision
+from model.spec.variants import Variant
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 # finished_reason messages, stable over 0.5.12..0.5.23 -> the spec's decision
@@ -122,6 +124,21 @@ def _observed(release: Release, fn: Callable[..., list]) -> Callable[..., list]:
     return call
 
 
+class StepClock:
+    """``time`` as the release's decode module sees it: ``monotonic()`` counts protocol
+    steps (so SGLang's deferred-release deadline, in seconds, becomes the spec's
+    ``release_timeout_steps``); everything else is the real module."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 @dataclass
 class StepResult:
     queue: list[int]
@@ -141,6 +158,7 @@ class SGLangRank:
     group: Any
     slots: int
     deferred: bool = False
+    variant: Variant | None = None      # what the job validates against (admission, release)
     receivers: dict[int, fakes.KvReceiver] = field(default_factory=dict)
     slot_of: dict[int, int] = field(default_factory=dict)
     rooms: dict[int, Enqueue] = field(default_factory=dict)
@@ -158,6 +176,13 @@ class SGLangRank:
             "gloo_group": self.group, "req_to_metadata_buffer_idx_allocator": self.allocator,
             "tp_rank": self.rank, "metadata_buffers": self.buffers,
             "scheduler": self.scheduler, "tree_cache": fakes.TreeCache()})
+        self.clock = StepClock()
+        d.time = self.clock
+        release_steps = getattr(self.variant, "release_timeout_steps", None)
+        if release_steps is not None and hasattr(self.queue, "deferred_kv_release_timeout"):
+            self.queue.deferred_kv_release_timeout = float(release_steps)
+        self.local_admission = getattr(getattr(self.variant, "admission", None), "value",
+                                       "agreed") == "local"
         self.observer = ObservingDist()
         u.dist = self.observer
         self.release.observer = self.observer
@@ -175,6 +200,8 @@ class SGLangRank:
             if agree is not None:       # the strict patch: agreed releases before admission
                 agree()
             slot = self.allocator.alloc()
+            if slot is None and self.local_admission:
+                return       # SGLang's prealloc keeps it on this rank (local admission)
             if slot is None:
                 raise RefusedEvent(f"no free metadata slot for request {ev.req}")
             recv = fakes.KvReceiver(self.kv_mgr)
@@ -184,7 +211,7 @@ class SGLangRank:
             self.receivers[ev.req], self.slot_of[ev.req], self.rooms[ev.req] = recv, slot, ev
             self.queue.add(dr)
             return
-        if ev.rank != self.rank:
+        if ev.rank != self.rank or ev.req not in self.receivers:
             return
         recv = self.receivers[ev.req]
         if isinstance(ev, KvDone):
@@ -201,6 +228,10 @@ class SGLangRank:
         elif isinstance(ev, Fence):
             self.kv_mgr.fenced.add(self.rooms[ev.req].room)
             recv.fenced = True
+            if self.variant is not None and self.variant.defer_failed.value == "local":
+                # a rank-local deferral releases on the rank's own acknowledgement (0.5.21
+                # resolves per rank, no collective): what its next iteration does first
+                self.queue.resolve_deferred_releases()
         release_fenced = getattr(self.queue, "release_fenced", None)
         if release_fenced is not None:          # the strict patch's quarantine
             release_fenced()
@@ -217,16 +248,18 @@ class SGLangRank:
         returned = self.observer.returned
         error = None
         transferred: list[Any] = []
+        self.clock.now += 1.0
         try:
             resolve = getattr(self.queue, "resolve_deferred_releases", None)
-            if resolve is not None:
+            if resolve is not None:       # what the scheduler's iteration does first
                 resolve()
+            self.observer.calls.clear()   # 0.5.23 agrees its releases with an all_reduce
             transferred = self.queue.pop_transferred()
         except Exception as exc:         # a collective timeout or mismatch: the divergence
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         for r in receivers:
             r.polled = None
-        # the first all_reduce of the step is the poll MIN; a single rank may reduce
+        # the first all_reduce of pop_transferred is the poll MIN; a single rank may reduce
         # nothing (0.5.23 skips the collective), and then the MIN is its own vector
         polls = self.observer.calls[0] if self.observer.calls else None
         if polls is None and returned:

@@ -134,7 +134,7 @@ def _load(job: Job, timeout_s: float) -> Any:
 def _run_job(release: Any, job: Job, rank: int, world: int, group: Any) -> tuple[dict, bool]:
     from impl.sglang.release import SGLangRank
     h = job.script.header
-    harness = SGLangRank(release, rank, world, group, h.slots, job.deferred)
+    harness = SGLangRank(release, rank, world, group, h.slots, job.deferred, h.spec_variant())
     steps, errors = [], []
     at, broken = len(job.script.events), False
     refused = None

@@ -34,12 +34,18 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subproces
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def all_sources(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
-    proc = _cli("prove", "--variant", "ungated", "--variant", "gate", "--only", "cex:",
-                "--only", "liveness", "--traces", str(out))
+    proc = _cli("prove", "--variant", "ungated", "--variant", "gate", "--variant", "deferred",
+                "--only", "cex:", "--only", "liveness", "--traces", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {p.name: conform.read_source(str(p)) for p in sorted(out.glob("*.jsonl"))}
+
+
+@pytest.fixture(scope="module")
+def sources(all_sources):
+    """The ungated and gate counterexamples and lassos (the expected-verdict table)."""
+    return {k: v for k, v in all_sources.items() if not k.startswith("deferred")}
 
 
 def _rows(rows: list[dict]) -> dict[tuple[str, str], dict]:
@@ -108,16 +114,23 @@ def test_the_same_machinery_says_differs_for_the_wrong_variant(sources):
     assert all("spec does not allow this step" in r.validation.message for r in results)
 
 
-def test_deferred_rows_are_checked_only_against_a_variant_that_exists(sources):
+def test_deferred_release_matches_its_variants(all_sources):
+    """0.5.23 with deferred release validates against ``deferred`` (agreed holds and
+    releases) and reproduces its counterexamples; 0.5.21 against ``deferred-local``."""
     assert conform.release_variant("0.5.23", True, None) == "deferred"
     assert conform.release_variant("0.5.21", True, None) == "deferred-local"
-    assert conform.release_variant("0.5.18", True, None) == "gate"       # no deferral before 0.5.19
-    one = [sources["gate.cex-outcomes_agree.jsonl"]]
-    rows = conform.check(["0.5.23"], one, deferred=True)
-    if conform.known_variant("deferred"):
-        assert rows[0]["verdict"] in ("matches", "reproduces"), rows
-    else:
-        assert rows[0]["verdict"] == "not checked" and "not in this spec" in rows[0]["detail"]
+    assert conform.release_variant("0.5.19", True, None) == "gate"   # decode-initiated aborts only
+    picked = [all_sources[n] for n in ("deferred.cex-outcomes_agree.jsonl",
+                                       "deferred.cex-no_corruption.jsonl",
+                                       "deferred.liveness-bounded_wait.jsonl",
+                                       "gate.cex-outcomes_agree.jsonl")]
+    rows = _rows(conform.check(["0.5.21", "0.5.23"], picked, deferred=True))
+    assert not [r for r in rows.values() if r["verdict"] in ("differs", "not checked")], rows
+    for name in ("deferred.cex-outcomes_agree.jsonl", "deferred.cex-no_corruption.jsonl"):
+        row = rows[("0.5.23", name)]
+        assert (row["variant"], row["verdict"]) == ("deferred", "reproduces")
+        assert row["invariant"] == all_sources[name].claim
+    assert rows[("0.5.21", "gate.cex-outcomes_agree.jsonl")]["variant"] == "deferred-local"
 
 
 def test_cli_table_json_and_exit_code(tmp_path):
