@@ -1,7 +1,8 @@
 """pdgate conform: every pinned SGLang release's own decode code on the counterexamples
-`pdgate prove` exports (ungated and gate variants: 7 traces, 1 and 2 ranks), as shipped,
-with pdgate's drop-ins swapped in, and with the strict patch. The simulator traces and
-the other variants' counterexamples run in `pdgate conform`'s default set and in
+and lassos `pdgate prove` exports for the ungated and gate variants (1 and 2 ranks), as
+shipped, with pdgate's drop-ins swapped in, and with the strict patch; 0.5.21 and 0.5.23
+with deferred release on the deferred variant's counterexamples. The simulator traces
+and the other variants' counterexamples run in `pdgate conform`'s default set and in
 `pdgate bench conform`, not here (CI time).
 
 Expected-verdict table (protocol.md, issue 10):
@@ -9,6 +10,7 @@ Expected-verdict table (protocol.md, issue 10):
   times out in a collective its peer never joins, reported as the spec's hang);
 - every gated release reproduces the stale/late-room ``outcomes_agree`` break and the
   room-before-payload ``no_corruption`` break, and holds a genuine room 0 forever;
+- 0.5.23 with deferred release matches ``deferred`` (and reproduces its breaks);
 - ``--swap`` and ``--patch strict`` never differ from the spec, and under the patch
   those breaks are gone.
 """
