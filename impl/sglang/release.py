@@ -15,6 +15,7 @@ every call unchanged), and each request's ``finished_reason`` message.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import time
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from impl.sglang import fakes, stubs
-from impl.sglang.wheels import open_wheel, parse_version
+from impl.sglang.wheels import open_wheel
 from model.spec.events import ROOM, Enqueue, Event, Fail, Fence, KvDone, Land
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
@@ -57,10 +58,6 @@ class Release:
     collective_timeout_s: float = 3.0       # pdgate's swapped-in collectives wait this long
     observer: Any = None                    # the current SGLangRank's ObservingDist
 
-    @property
-    def key(self) -> tuple[int, ...]:
-        return parse_version(self.version)
-
 
 def load_release(version: str, *, deferred: bool = False) -> Release:
     """Execute ``version``'s decode modules (MissingRelease if not cached). Replaces any
@@ -71,7 +68,6 @@ def load_release(version: str, *, deferred: bool = False) -> Release:
     server_args, parallel = fakes.ServerArgs(), [None]
     recorder = stubs.install(wheel.source_of, fakes.provided(server_args, parallel))
     fakes._Recording._recorder = recorder
-    import importlib
     decode = importlib.import_module("sglang.srt.disaggregation.decode")
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
     return Release(version, decode, utils, recorder, server_args, parallel)
