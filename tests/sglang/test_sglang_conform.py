@@ -39,6 +39,7 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subproces
 def all_sources(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
     proc = _cli("prove", "--variant", "ungated", "--variant", "gate", "--variant", "deferred",
+                "--variant", "deferred-local",
                 "--only", "cex:", "--only", "liveness", "--traces", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {p.name: conform.read_source(str(p)) for p in sorted(out.glob("*.jsonl"))}
@@ -125,6 +126,7 @@ def test_deferred_release_matches_its_variants(all_sources):
     picked = [all_sources[n] for n in ("deferred.cex-outcomes_agree.jsonl",
                                        "deferred.cex-no_corruption.jsonl",
                                        "deferred.liveness-bounded_wait.jsonl",
+                                       "deferred-local.cex-queues_identical.jsonl",
                                        "gate.cex-outcomes_agree.jsonl")]
     rows = _rows(conform.check(["0.5.21", "0.5.23"], picked, deferred=True))
     assert not [r for r in rows.values() if r["verdict"] in ("differs", "not checked")], rows
@@ -133,6 +135,11 @@ def test_deferred_release_matches_its_variants(all_sources):
         assert (row["variant"], row["verdict"]) == ("deferred", "reproduces")
         assert row["invariant"] == all_sources[name].claim
     assert rows[("0.5.21", "gate.cex-outcomes_agree.jsonl")]["variant"] == "deferred-local"
+    # per-rank holds diverge admission in 0.5.21 (the next MIN times out); 0.5.23 agrees them
+    local = rows[("0.5.21", "deferred-local.cex-queues_identical.jsonl")]
+    assert (local["verdict"], local["invariant"]) == ("reproduces", "queues_identical")
+    assert local["hang"] and any("imed out" in e or "Timeout" in e for e in local["errors"])
+    assert rows[("0.5.23", "deferred-local.cex-queues_identical.jsonl")]["verdict"] == "matches"
 
 
 def test_cli_table_json_and_exit_code(tmp_path):
