@@ -179,9 +179,7 @@ def check(versions: list[str], sources: list[Source], *, deferred: bool = False,
         by_ranks.setdefault(job.script.header.ranks, []).append(i)
     for ranks, idx in sorted(by_ranks.items()):
         results = run_jobs([jobs[i] for i in idx], timeout_s=timeout_s)
-        # run_jobs sorts by release and mode: match results to rows by job identity
-        for res in results:
-            i = next(i for i in idx if jobs[i] is res.job)
+        for i, res in zip(idx, results):
             row, src = job_rows[i]
             row.update(_verdict(res, src), steps=res.steps, errors=res.errors,
                        stub_reads=res.reads)

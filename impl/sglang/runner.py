@@ -188,24 +188,27 @@ def _conform_rank(rank: int, world: int, jobs: list[Job], timeout_s: float) -> l
     return out
 
 
-def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 3.0, deadline_s: float = 300.0
+def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 3.0, deadline_s: float | None = None
              ) -> list[JobResult]:
-    """Run every job (all with the same rank count) on one set of processes."""
-    jobs = sorted(jobs, key=lambda j: (j.version, j.mode, j.deferred))
+    """Run every job (all with the same rank count) on one set of processes; results in
+    the jobs' order. ``deadline_s`` (default: 2 minutes plus 10 s per job) bounds the
+    whole run: the ranks are killed after it."""
     if not jobs:
         return []
     ranks = jobs[0].script.header.ranks
     if any(j.script.header.ranks != ranks for j in jobs):
         raise ValueError("run_jobs needs jobs of one rank count")
-    outcomes = run_ranks(_conform_rank, ranks, (list(jobs), timeout_s), deadline_s=deadline_s,
+    order = sorted(jobs, key=lambda j: (j.version, j.mode, j.deferred))   # one load each
+    deadline = deadline_s if deadline_s is not None else 120.0 + 10.0 * len(jobs)
+    outcomes = run_ranks(_conform_rank, ranks, (order, timeout_s), deadline_s=deadline,
                          group_timeout_s=timeout_s + 20.0)
-    results = []
-    for j, job in enumerate(jobs):
+    by_job = {}
+    for j, job in enumerate(order):
         per_rank = [o.value[j] for o in outcomes]
         per_rank = [{**r, "error": None, "kind": None} for r in per_rank]
         text, steps = merge_ranks(job.script, per_rank)
-        results.append(JobResult(job, text, validate(text.splitlines()), steps,
-                                 [e for r in per_rank for e in r["errors"]],
-                                 next((r["refused"] for r in per_rank if r["refused"]), None),
-                                 per_rank[0]["reads"]))
-    return results
+        by_job[id(job)] = JobResult(job, text, validate(text.splitlines()), steps,
+                                    [e for r in per_rank for e in r["errors"]],
+                                    next((r["refused"] for r in per_rank if r["refused"]), None),
+                                    per_rank[0]["reads"])
+    return [by_job[id(job)] for job in jobs]
