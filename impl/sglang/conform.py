@@ -224,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.swap and args.patch:
             raise ConformInputError("--swap and --patch exclude each other")
+        if args.deferred and args.patch:
+            raise ConformInputError("--deferred does not combine with --patch (the patch "
+                                    "replaces SGLang's deferred release with its own)")
         if args.local_release and not args.patch:
             raise ConformInputError("--local-release needs --patch strict")
         if not 0 < args.collective_timeout <= 600:

@@ -163,6 +163,7 @@ def test_cli_table_json_and_exit_code(tmp_path):
     (["--sglang", "0.5.13", "--collective-timeout", "nan"], "--collective-timeout"),
     (["--sglang", "0.5.13", "/dev/zero"], "not a readable trace file"),
     (["--sglang", "0.5.13", "--local-release"], "needs --patch"),
+    (["--sglang", "0.5.23", "--deferred", "--patch", "strict"], "does not combine"),
     (["--sglang", "0.5.13", "--traces", "/nonexistent"], "run `pdgate prove"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
