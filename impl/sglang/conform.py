@@ -73,7 +73,7 @@ def read_source(path: str) -> Source:
         raise ConformInputError(f"{path}: not a readable trace file")
 
     def parse(fp: Any) -> Source:
-        lines = fp.readlines()
+        lines = list(fp)                      # a file, or the reader's bounded lines
         script = load_script(lines)           # malformed input: one line naming the line
         claim = bound = None
         for text in lines:
