@@ -9,6 +9,13 @@ case: one ``.item()`` each), half the rows landed. Three ways:
              steps, so the gate is one gather plus the kernel's element-wise ops
              (``gate`` rule, as SGLang's; ``queue_strict`` adds strict's extra rules)
 Figures are medians in microseconds and speedups (sglang time / ours).
+
+The drop-in as a whole step (``dropin_step``): SGLang 0.5.13's own ungated
+``poll_and_all_reduce(pollers, group)`` (from its wheel, through impl.sglang's stub layer)
+against ``impl.decode.poll_and_all_reduce`` in 0.5.13's gated call shape, on SGLang's own
+``MetadataBuffers`` (2,048 slots), 1,024 queued requests, half Success, half the rows
+landed; one gloo process and T = 2, both calls interleaved in the same run. Ratio: the
+drop-in's median step over SGLang's (goal <= 1.3 at both).
 """
 from __future__ import annotations
 
@@ -26,7 +33,9 @@ from model.spec import KVPoll
 
 SUCCESS, TRANSFERRING = int(KVPoll.Success), int(KVPoll.Transferring)
 # The goal compares like with like: SGLang's rule (``gate``) run by the queue's path.
-TARGETS = {"speedup_queue_1024": (">=", 50.0)}
+TARGETS = {"speedup_queue_1024": (">=", 50.0), "dropin_step_ratio_T1": ("<=", 1.3),
+           "dropin_step_ratio_T2": ("<=", 1.3)}
+DROPIN_N, DROPIN_RELEASE = 1024, "0.5.13"
 
 
 def sglang_gate(polls, decode_reqs, metadata_buffers) -> None:
@@ -87,8 +96,68 @@ def measure(n: int, budget_s: float) -> dict[str, float]:
     return out
 
 
-def run(quick: bool) -> dict:
+class _Receiver:
+    def __init__(self, state: int):
+        self.state = state
+
+    def poll(self) -> int:
+        return self.state
+
+
+def _dropin_step_body(rank: int, world: int, steps: int) -> dict:
+    """One rank: SGLang's ungated poll + MIN and the gated drop-in, alternating."""
+    import random as _random
+    import torch.distributed as dist
+    from impl.decode import poll_and_all_reduce
+    from impl.sglang.release import load_release
+    release = load_release(DROPIN_RELEASE)
+    u = release.utils
+    buffers = u.MetadataBuffers(2 * DROPIN_N, 16, torch.float32)
+    reqs = []
+    for i in range(DROPIN_N):
+        room = 0x5EED0000 + i
+        if i % 4 < 2:
+            buffers.bootstrap_room[i, 0] = room
+        reqs.append(SimpleNamespace(req=SimpleNamespace(rid=f"r{i}", bootstrap_room=room,
+                                                        bootstrap_host="10.0.0.1"),
+                                    kv_receiver=_Receiver(SUCCESS if i % 2 else 2),
+                                    metadata_buffer_index=i))
+    pollers = [d.kv_receiver for d in reqs]
+    server_args = release.server_args
+    group = dist.new_group(backend="gloo")
+    runs = {"sglang": lambda: u.poll_and_all_reduce(pollers, group),
+            "dropin": lambda: poll_and_all_reduce(pollers, group, reqs, buffers, server_args)}
+    want = [min(SUCCESS if i % 2 else 2, TRANSFERRING if i % 4 >= 2 and i % 2 else 4)
+            for i in range(DROPIN_N)]
+    assert runs["dropin"]() == want, "the drop-in's gate is wrong"
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    shuffle = _random.Random(0).shuffle          # same order on every rank: lockstep
+    for i in range(steps + 20):
+        shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            runs[name]()
+            if i >= 20:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
+def dropin_step(quick: bool) -> dict[str, float]:
+    from impl.ranks import run_ranks
     figures: dict[str, float] = {}
+    for world in (1, 2):
+        [rank0, *_] = run_ranks(_dropin_step_body, world, (300 if quick else 2000,),
+                                deadline_s=300)
+        med = rank0.value
+        figures[f"dropin_step_sglang_us_T{world}"] = round(med["sglang"], 1)
+        figures[f"dropin_step_us_T{world}"] = round(med["dropin"], 1)
+        figures[f"dropin_step_ratio_T{world}"] = round(med["dropin"] / med["sglang"], 3)
+    return figures
+
+
+def run(quick: bool) -> dict:
+    figures: dict[str, float] = dropin_step(quick)
     for n in (64, 1024, 16384):
         m = measure(n, 0.2 if quick else 1.0)
         for key, val in m.items():

@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("sim.cli", "simulate a variant (or --compare several) under latencies and faults"),
     "sweep": ("sim.sweep", "grid of simulations to CSV, and a capacity search"),
     "replay": ("impl.replay", "replay a trace on T real gloo processes running impl.decode"),
+    "conform": ("impl.sglang.conform", "run SGLang releases' own decode code on traces and check it against the spec"),
     "e2e": ("impl.e2e", "end to end over real Mooncake: one prefill, T decode ranks"),
     "bench": ("bench.cli", "run the benchmarks in bench/ and print their figures"),
 }

@@ -8,3 +8,13 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
 python -m pip install -q --root-user-action=ignore torch==2.13.0
 python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
+# SGLang's released wheels, for `pdgate conform` (read from the cache, never fetched at run
+# time): the pinned set in impl/sglang/wheels.py, without dependencies, into
+# $PDGATE_SGLANG_CACHE (default ~/.cache/pdgate/sglang); releases already there are kept.
+SGLANG_CACHE="${PDGATE_SGLANG_CACHE:-$HOME/.cache/pdgate/sglang}"
+mkdir -p "$SGLANG_CACHE"
+for v in $(python -c 'from impl.sglang.wheels import PINNED; print(*PINNED)'); do
+    if ! ls "$SGLANG_CACHE"/sglang-"$v"-*.whl >/dev/null 2>&1; then
+        python -m pip download -q --no-deps "sglang==$v" -d "$SGLANG_CACHE"
+    fi
+done

@@ -1,0 +1,280 @@
+"""pdgate's functions inside SGLang's own transfer queue.
+
+``swap_dropins(release)``: the release's ``poll_and_all_reduce`` /
+``poll_and_all_reduce_with_staging`` replaced by pdgate's drop-ins (impl.decode.polling),
+nothing else changed (``pdgate conform --swap``: the release must still match its spec
+variant, now with a collective that cannot hang).
+
+``install(release)`` / ``install_into(loaded)``: the strict patch. SGLang's own
+``pop_transferred`` keeps its loop; what it calls gets strict's rules: the gate holds
+Success until the slot's room *equals* the request's (not merely non-zero), a request
+the gate held for ``timeout_steps`` steps (steps whose MIN was Transferring or Success)
+is Failed before the MIN (so every rank aborts it in the same step), an expected room of 0 fails, a room mismatch
+seen at commit time is agreed with one MAX all-reduce of the local flags before any rank
+drops the request, and a popped request's slot is reused only once its receiver says
+``writes_fenced()`` (``queue.release_fenced()`` frees it; receivers without the method
+count as fenced).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from impl.decode import polling
+
+_NAMES = ("poll_and_all_reduce", "poll_and_all_reduce_with_staging")
+_AGES_FROM = 3      # KVPoll.Transferring: a kept request ages after a MIN of at least this
+
+
+def _note(release: Any) -> Callable[[list], None] | None:
+    observer = getattr(release, "observer", None)
+    return None if observer is None else observer.note
+
+
+def swap_dropins(release: Any) -> None:
+    """Point the release's queue (and utils) at pdgate's drop-ins, gate rule ``gate``."""
+    def bind(fn: Callable[..., list]) -> Callable[..., list]:
+        def call(*args: Any, **kwargs: Any) -> list:
+            return fn(*args, **kwargs, timeout_s=release.collective_timeout_s,
+                      transfer_backend=release.server_args.disaggregation_transfer_backend,
+                      trace=_note(release))
+        call._pdgate_swapped = True           # type: ignore[attr-defined]
+        return call
+
+    for name in _NAMES:
+        ours = bind(getattr(polling, name))
+        for module in (release.decode, release.utils):
+            if hasattr(module, name):
+                setattr(module, name, ours)
+
+
+# ---------------------------------------------------------------------------------------
+# The strict patch: SGLang's own queue with strict's rules.
+
+class _Quarantine:
+    """The queue's slot allocator as ``pop_transferred`` sees it under the patch: a slot
+    whose request may still receive writes is held (strict's fence-before-reuse, SGLang
+    #35049) until its receiver says ``writes_fenced()`` (receivers without the method
+    count as fenced).
+
+    ``agreed``: every popped slot is held and released only by ``release_agreed``, once
+    every rank's receiver says fenced (a MIN all-reduce of the local flags over the held
+    list, the same list on every rank: pops are agreed), so the ranks' free lists, and
+    with them admission, never differ (what 0.5.23 does for its deferred releases); it
+    runs at the end of each step and before admission. Not agreed: each rank frees a
+    slot when its own writes are fenced (strict's spec rule)."""
+
+    def __init__(self, real: Any, buffers: Any, agreed: bool):
+        self.real, self.buffers, self.agreed = real, buffers, agreed
+        self.receiver_of: dict[int, Any] = {}      # slot -> receiver, set before each step
+        self.held: dict[int, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    @staticmethod
+    def _fenced(recv: Any) -> bool:
+        fenced = getattr(recv, "writes_fenced", None)
+        return True if fenced is None else bool(fenced())
+
+    def free(self, idx: int) -> None:
+        recv = self.receiver_of.get(idx)
+        if self.agreed or not self._fenced(recv):
+            self.held[idx] = recv
+        else:
+            self.real.free(idx)
+
+    def _free_held(self, idx: int) -> None:
+        del self.held[idx]
+        self.buffers.bootstrap_room[idx] = 0          # a late write may have landed
+        self.real.free(idx)
+
+    def release_fenced(self) -> None:
+        if self.agreed:
+            return                                    # only at a step, on every rank
+        for idx, recv in list(self.held.items()):
+            if self._fenced(recv):
+                self._free_held(idx)
+
+    def release_agreed(self, wait: Callable[[str, Callable[[], Any]], None], dist: Any,
+                       group: Any) -> None:
+        if not self.agreed or not self.held:
+            return
+        import torch
+        flags = torch.tensor([int(self._fenced(r)) for r in self.held.values()], dtype=torch.int32)
+        wait("all_reduce(MIN) of fenced flags",
+             lambda: dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True))
+        for idx, ready in zip(list(self.held), flags.tolist()):
+            if ready:
+                self._free_held(idx)
+
+
+def _is_fake(host: Any, fake_backend: bool) -> bool:
+    from impl.decode.gate import FAKE_BOOTSTRAP_HOST
+    return host == FAKE_BOOTSTRAP_HOST or (host is None and fake_backend)
+
+
+def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[..., list],
+                                                                  Callable[..., list]]:
+    """``poll_and_all_reduce`` and ``poll_and_all_reduce_with_staging`` with strict's
+    rules, every release's shapes: the room-equality gate and timeout before the MIN
+    (pdgate's drop-ins, variant strict, with the queue's ages), then one MAX all-reduce
+    of the local room-mismatch flags of the entries the MIN lets commit, so a mismatch
+    seen by any rank aborts the request on every rank (returned as Failed) instead of on
+    that rank alone."""
+    import torch
+    from impl.decode.gate import room_column_of
+    from model.spec.variants import get_variant
+    variant = get_variant("strict", timeout_steps)
+    success, failed = 4, 0
+
+    def context(decode_reqs: Any, metadata_buffers: Any) -> tuple:
+        queue = release.current_queue
+        if decode_reqs is None and queue is not None:      # 0.5.12 passes pollers only
+            decode_reqs, metadata_buffers = queue.queue, queue.metadata_buffers
+        ages = [queue._pdgate_ages.get(id(d), 0) for d in decode_reqs] \
+            if decode_reqs is not None and queue is not None else None
+        return decode_reqs, metadata_buffers, ages
+
+    def options(ages: Any) -> dict:
+        return {"variant": variant, "ages": ages, "timeout_s": release.collective_timeout_s,
+                "transfer_backend": release.server_args.disaggregation_transfer_backend,
+                "trace": _note(release)}
+
+    def note_reduced(decode_reqs: Any, reduced: list) -> None:
+        """The MIN per request, for ageing after the step (strict's timeout counts only
+        steps whose MIN was Transferring or Success: some gate held the request)."""
+        if release.current_queue is not None and decode_reqs is not None:
+            release.current_queue._pdgate_reduced = {id(d): r for d, r in zip(decode_reqs, reduced)}
+
+    def agree_mismatch(reduced: list, gloo_group: Any, decode_reqs: Any, metadata_buffers: Any,
+                       server_args: Any) -> list:
+        if decode_reqs is None or metadata_buffers is None:
+            return reduced
+        fake_none = (getattr(server_args, "disaggregation_transfer_backend", None)
+                     if server_args is not None else
+                     release.server_args.disaggregation_transfer_backend) == "fake"
+        commits = [i for i, r in enumerate(reduced) if r == success
+                   and not _is_fake(decode_reqs[i].req.bootstrap_host, fake_none)]
+        if not commits:          # the same on every rank: they all reduced the same vector
+            return reduced
+        col = room_column_of(metadata_buffers)
+        flags = torch.tensor([int(int(col[decode_reqs[i].metadata_buffer_index]) & (2**64 - 1)
+                                  != (decode_reqs[i].req.bootstrap_room or 0))
+                              for i in commits], dtype=torch.int32)
+        polling._CACHE.exchange(gloo_group, release.collective_timeout_s)._wait(
+            "all_reduce(MAX) of room-mismatch flags",
+            lambda: release.dist.all_reduce(flags, op=release.dist.ReduceOp.MAX,
+                                            group=gloo_group, async_op=True))
+        for i, bad in zip(commits, flags.tolist()):
+            if bad:
+                reduced[i] = failed
+        return reduced
+
+    def poll(pollers: Any, gloo_group: Any, decode_reqs: Any = None, metadata_buffers: Any = None,
+             server_args: Any = None, **_: Any) -> list:
+        decode_reqs, metadata_buffers, ages = context(decode_reqs, metadata_buffers)
+        reduced = polling.poll_and_all_reduce(pollers, gloo_group, decode_reqs, metadata_buffers,
+                                              server_args, **options(ages))
+        note_reduced(decode_reqs, reduced)
+        return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
+
+    def staged(decode_reqs: Any, staging_handler: Any, gloo_group: Any,
+               metadata_buffers: Any = None, server_args: Any = None, pollers: Any = None,
+               **_: Any) -> list:
+        decode_reqs, metadata_buffers, ages = context(decode_reqs, metadata_buffers)
+        reduced = polling.poll_and_all_reduce_with_staging(
+            decode_reqs, staging_handler, gloo_group, metadata_buffers, server_args, pollers,
+            **options(ages))
+        note_reduced(decode_reqs, reduced)
+        return agree_mismatch(reduced, gloo_group, decode_reqs, metadata_buffers, server_args)
+    return poll, staged
+
+
+def install_into(release: Any, timeout_steps: int | None = None,
+                 agreed_release: bool = True) -> None:
+    """Give a loaded release's ``DecodeTransferQueue`` strict's rules (see module doc).
+    ``agreed_release``: slots of popped requests are released only when every rank's
+    writes are fenced, agreed at the end of each step (``_Quarantine``)."""
+    import torch.distributed as dist
+    release.dist = dist
+    release.current_queue = None
+    poll, staged = _strict_poll(release, timeout_steps)
+    for module in (release.decode, release.utils):
+        for name, fn in (("poll_and_all_reduce", poll),
+                         ("poll_and_all_reduce_with_staging", staged)):
+            if hasattr(module, name):
+                setattr(module, name, fn)
+    cls = release.decode.DecodeTransferQueue
+    own_pop = cls.pop_transferred
+
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(self, "_pdgate_ages"):
+            self._pdgate_ages = {}
+            self._pdgate_slots = _Quarantine(self.req_to_metadata_buffer_idx_allocator,
+                                             self.metadata_buffers, agreed_release)
+        slots = self._pdgate_slots
+        slots.release_fenced()
+        slots.receiver_of = {d.metadata_buffer_index: d.kv_receiver for d in self.queue}
+        real, self.req_to_metadata_buffer_idx_allocator = \
+            self.req_to_metadata_buffer_idx_allocator, slots
+        release.current_queue = self
+        try:
+            out = own_pop(self, *args, **kwargs)
+        finally:
+            self.req_to_metadata_buffer_idx_allocator = real
+            release.current_queue = None
+        agree_releases(self)
+        held = getattr(self, "_pdgate_reduced", {})
+        self._pdgate_ages = {id(d): self._pdgate_ages.get(id(d), 0)
+                             + (held.get(id(d), 0) >= _AGES_FROM) for d in self.queue}
+        self._pdgate_reduced = {}
+        return out
+
+    def agree_releases(self: Any) -> None:
+        """Agreed release of held slots whose writes every rank has fenced: at the end of
+        each step and at the start of each scheduler iteration, before admission (a
+        collective: every rank calls it at the same point)."""
+        if hasattr(self, "_pdgate_slots"):
+            exchange = polling._CACHE.exchange(self.gloo_group, release.collective_timeout_s)
+            self._pdgate_slots.release_agreed(exchange._wait, release.dist, self.gloo_group)
+
+    def release_fenced(self: Any) -> None:
+        """Free held slots whose writes are fenced (call when a receiver reports it)."""
+        if hasattr(self, "_pdgate_slots"):
+            self._pdgate_slots.release_fenced()
+
+    cls.pop_transferred = pop_transferred
+    cls.release_fenced = release_fenced
+    cls.agree_releases = agree_releases
+    # the scheduler's iteration: held slots are released (agreed) before admission, as
+    # 0.5.23 resolves its deferred releases first
+    mixin = getattr(release.decode, "SchedulerDisaggregationDecodeMixin", None)
+    own_iteration = getattr(mixin, "process_decode_queue", None)
+    if own_iteration is not None and not getattr(own_iteration, "_pdgate_strict", False):
+        def process_decode_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.disagg_decode_transfer_queue.agree_releases()
+            return own_iteration(self, *args, **kwargs)
+        process_decode_queue._pdgate_strict = True      # type: ignore[attr-defined]
+        mixin.process_decode_queue = process_decode_queue
+    cls._pdgate_strict = True
+
+def install(release: str, *, timeout_steps: int | None = None,
+            collective_timeout_s: float = 30.0, agreed_release: bool = True,
+            transfer_backend: str = "mooncake") -> None:
+    """Apply the strict patch in a live SGLang decode worker, at start-up, before the
+    scheduler builds its queues: ``impl.sglang.patch.install("0.5.23")``. Refuses a
+    release other than the one installed (the patch is checked per release by ``pdgate
+    conform --patch strict``)."""
+    import importlib
+    import types
+    sglang = importlib.import_module("sglang")
+    installed = getattr(sglang, "__version__", None)
+    if installed != release:
+        raise RuntimeError(f"strict patch for SGLang {release}, but {installed} is installed")
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    # the backend decides whether a request without bootstrap host is a fake transfer
+    backend = types.SimpleNamespace(disaggregation_transfer_backend=transfer_backend)
+    install_into(types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
+                                       collective_timeout_s=collective_timeout_s, observer=None),
+                 timeout_steps, agreed_release)
