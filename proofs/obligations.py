@@ -15,14 +15,15 @@ Kinds (the ``obligation`` column):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 import z3
 
-from model.encoding.checks import (BmcResult, Goal, bmc, premises, prove_inductive,
-                                   stutter_goal, violates)
+from model.encoding.checks import (BmcResult, Goal, bmc, check_step, consistent, premises,
+                                   prove_inductive, stutter_goal, violates)
 from model.encoding.vocab import Sizes, Z3OPS
 from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
 from model.spec.variants import ABLATIONS, VARIANTS, Variant
@@ -46,6 +47,7 @@ PROVED: dict[str, tuple[str, ...]] = {
     "gate-noclear": ("queues_identical", "exactly_once"),
     "gate": ("queues_identical", "exactly_once"),
     "strict": SAFETY_NAMES,
+    "strict-no-fence": ("outcomes_agree",),
 }
 RELATIONAL = ("queues_identical", "outcomes_agree")   # compare ranks: need T >= 2
 ALL_VARIANTS: dict[str, Variant] = {**VARIANTS, **ABLATIONS}
@@ -81,29 +83,46 @@ class Obligation:
 
 
 # -- checks -------------------------------------------------------------------------------
+def symbolic_timeout(v: Variant) -> Variant:
+    """``v`` with its timeout replaced by a Z3 constant T (the context assumes T >= 1):
+    a proof about it holds for every bound the variant can be configured with."""
+    return replace(v, timeout_steps=z3.Int("T"))
+
+
 def _inductive(ob: Obligation, st: Settings) -> Outcome:
     names = BUNDLES.get(ob.arg, SLOT_LEMMAS)
-    log = prove_inductive(ALL_VARIANTS[ob.variant], names, st.timeout_ms)
+    v = ALL_VARIANTS[ob.variant]
+    symbolic = ob.arg == "bounded_wait" and v.timeout_steps is not None
+    log = prove_inductive(symbolic_timeout(v) if symbolic else v, names, st.timeout_ms)
     bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
         return Outcome("not inductive", "; ".join(bad))
     return Outcome("proved", f"init + {len(log.queries) - 1} actions unsat"
-                   + (f"; with lemmas {lemmas}" if lemmas else ""))
+                   + (f"; with lemmas {lemmas}" if lemmas else "")
+                   + ("; for every timeout T >= 1: age <= T, so a request leaves within T+1 steps"
+                      if symbolic else ""))
 
 
-def proved_facts(variant: str) -> list[str]:
-    """Invariants this run proves for the variant (unbounded): assumed on every
-    unrolled frame to prune the bounded search (sound: they hold in every reachable state)."""
-    if variant not in PROVED:
-        return []
-    return sorted({n for inv in PROVED[variant] for n in BUNDLES[inv]} | set(SLOT_LEMMAS))
+@lru_cache(maxsize=None)
+def proved_facts(variant: str, timeout_ms: int = 20_000) -> tuple[str, ...]:
+    """The facts this run proves for the variant (unbounded): every candidate bundle
+    (the slot lemmas, then each expected safety bundle) is checked here and only those
+    found inductive count. Assumed on every unrolled frame to prune the bounded
+    search (sound: they hold in every reachable state); nothing is assumed that this
+    process has not just proved (cached per worker)."""
+    v = ALL_VARIANTS[variant]
+    facts: set[str] = set()
+    for names in [SLOT_LEMMAS] + [BUNDLES[inv] for inv in PROVED.get(variant, ())]:
+        if not prove_inductive(v, names, timeout_ms).failures("unsat"):
+            facts |= set(names)
+    return tuple(sorted(facts))
 
 
 def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
     """Fewest ranks, then requests, then slots, then transitions (within the bounds).
     ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them."""
-    assume = proved_facts(variant.name)
+    assume = proved_facts(variant.name, timeout_ms)
     for ranks in range(first_ranks, MAX_RANKS + 1):
         for reqs in range(1, MAX_REQS + 1):
             for slots in range(1, reqs + 1):
@@ -182,6 +201,33 @@ def _premises(ob: Obligation, st: Settings) -> Outcome:
     return Outcome("proved", f"{len(bundles)} invariants x 7 actions satisfiable at T=2 N=2 S=2")
 
 
+CTI_SIZES = Sizes(2, 2, 2)     # the sorts' bound for the sat searches (Ctx.at_most)
+
+
+def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
+    """The broken invariant with every fact proved for the variant: some action takes a
+    state satisfying them all to one that breaks them, shown as a concrete CTI."""
+    names = [ob.arg] + [n for n in proved_facts(ob.variant, st.timeout_ms) if n != ob.arg]
+    log = check_step(ALL_VARIANTS[ob.variant], names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
+    found = [(label, r) for label, r in log.queries if r.status == "sat"]
+    if found:
+        return Outcome("not inductive", found[0][1].reason)
+    unknown = log.failures("unsat")
+    if unknown:
+        return Outcome("unknown", "; ".join(unknown))
+    return Outcome("inductive", f"every action unsat with {', '.join(names)}")
+
+
+def _consistent(ob: Obligation, st: Settings) -> Outcome:
+    names = list(proved_facts(ob.variant, st.timeout_ms))
+    log = consistent(ALL_VARIANTS[ob.variant], names, CTI_SIZES, st.timeout_ms)
+    bad = log.failures("sat")
+    if bad:
+        return Outcome("inconsistent", "; ".join(bad))
+    return Outcome("proved", f"{len(log.queries)} actions: guard and side axioms satisfiable "
+                   f"with the proved facts ({len(names)}), unbounded sorts")
+
+
 def _refines(ob: Obligation, st: Settings) -> Outcome:
     from proofs.refinement import refinement
     ok, detail = refinement(ALL_VARIANTS[ob.variant])
@@ -203,9 +249,11 @@ def obligations() -> list[Obligation]:
                 out.append(Obligation(f"safety:{inv}", name, "proved", True, _inductive, inv))
             else:
                 out.append(Obligation(f"cex:{inv}", name, "counterexample", False, _counterexample, inv))
+                out.append(Obligation(f"induction:{inv}", name, "not inductive", True, _not_inductive, inv))
         if name == "strict":
             out.append(Obligation("liveness:bounded_wait", name, "proved", True, _inductive, "bounded_wait"))
         out.append(Obligation("nonvacuous:premises", name, "proved", False, _premises))
+        out.append(Obligation("consistent:actions", name, "proved", True, _consistent))
         out.append(Obligation("nonvacuous:commit", name, "proved", False, _witness, "commit"))
         if VARIANTS[name].gate.value != "none":
             out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
@@ -213,10 +261,11 @@ def obligations() -> list[Obligation]:
     out.append(Obligation("liveness:bounded_wait", "gate", "counterexample", False, _lasso, "never-lands"))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
-    out.append(Obligation("cex:no_corruption", "strict-no-room-order", "counterexample", False,
-                          _counterexample, "no_corruption"))
-    out.append(Obligation("cex:no_corruption", "strict-no-fence", "counterexample", False,
-                          _counterexample, "no_corruption"))
+    for ablation in ("strict-no-room-order", "strict-no-fence"):
+        out.append(Obligation("cex:no_corruption", ablation, "counterexample", False,
+                              _counterexample, "no_corruption"))
+        out.append(Obligation("induction:no_corruption", ablation, "not inductive", True,
+                              _not_inductive, "no_corruption"))
     out.append(Obligation("safety:outcomes_agree", "strict-no-fence", "proved", True, _inductive,
                           "outcomes_agree"))
     out.append(Obligation("liveness:bounded_wait", "strict-no-timeout", "counterexample", False,

@@ -166,6 +166,8 @@ class Ctx:
         self.idx = z3.Function("enqueue_index", req, z3.IntSort())
         self._count = itertools.count()
         self.axioms: list[z3.BoolRef] = []
+        if isinstance(variant.timeout_steps, z3.ExprRef):    # a symbolic bound: any T >= 1
+            self.axioms.append(variant.timeout_steps >= 1)
         if sizes is not None:
             for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
                 self.elems[name] = [z3.IntVal(i) for i in range(n)]
@@ -189,6 +191,19 @@ class Ctx:
             return z3.And([body(*xs) for xs in itertools.product(*(self.elems[s] for s in sorts))])
         xs = [self.fresh(s.lower(), s) for s in sorts]
         return z3.ForAll(xs, body(*xs))
+
+    def at_most(self, sizes: Sizes) -> list[z3.BoolRef]:
+        """Unbounded only: every sort has at most ``sizes`` elements (domain closure over
+        fresh constants). Added to a query whose answer should be sat, it steers the
+        quantifier engine to small models; any model of it is a model of the query
+        without it, so a sat answer (and its model) stands for the unbounded query."""
+        if self.finite:
+            raise ValueError("at_most bounds the unbounded sorts")
+        out = []
+        for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
+            elems = [self.fresh(f"{name.lower()}_elem", name) for _ in range(n)]
+            out.append(self.forall((name,), lambda x, es=elems: z3.Or([x == e for e in es])))
+        return out
 
     def member(self, term: z3.ExprRef, sort: str) -> z3.BoolRef:
         """Finite: the term denotes one of the sort's elements. Unbounded: trivially true."""
