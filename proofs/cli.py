@@ -124,7 +124,7 @@ def _run_mutants(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        results = run_all(jobs=args.jobs)
+        results = run_all(jobs=args.jobs, timeout_ms=int(args.timeout * 1000))
     except TimeoutError:
         print(f"{err}a mutant worker did not finish; stopped them", file=sys.stderr)
         return 1

@@ -336,7 +336,7 @@ class MutantResult:
                 "obligations_run": self.checked, "seconds": round(self.seconds, 2)}
 
 
-MUTANT_TIMEOUT_MS = 5_000     # per solver query: a mutant's "unknown" is a flip as well
+MUTANT_TIMEOUT_MS = 20_000    # per solver query, as pdgate prove: a kill is what prove itself would show
 
 
 def run_mutant(name: str, timeout_ms: int = MUTANT_TIMEOUT_MS) -> MutantResult:

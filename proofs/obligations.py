@@ -165,10 +165,11 @@ def _counterexample(ob: Obligation, st: Settings) -> Outcome:
 
 
 def _lasso(ob: Obligation, st: Settings) -> Outcome:
-    extra = None
     if ob.arg == "room0":        # a genuine room 0, every field landed everywhere
         extra = lambda c, s, r: z3.And([z3.And(c.room(r) == 0, s.lr(k, r), s.lp(k, r))
                                         for k in c.elems["Rank"]])
+    else:                        # a real room (the impl refuses room 0) that never lands
+        extra = lambda c, s, r: c.room(r) != 0
     return _found(ob, st, stutter_goal(extra), export_lasso, "lasso")
 
 
