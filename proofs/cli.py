@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         failed += not ok
         rows.append({"obligation": o.obligation, "variant": o.variant, "expected": o.expected,
                      "result": out.result, "seconds": round(out.seconds, 3),
+                     "cpu_seconds": round(out.cpu_seconds, 3),
                      "unbounded": o.unbounded, "detail": out.detail,
                      **({"trace": out.trace} if out.trace else {})})
     _print_table(rows)
