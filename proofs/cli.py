@@ -170,10 +170,11 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
 
 
 def _cost_rank(o: Obligation) -> int:
-    """Rough cost order: two-request unrollings, explicit search, other unrollings, proofs."""
+    """Rough cost order: two-request unrollings, explicit search and refinement, other
+    unrollings, proofs."""
     if o.obligation == "cex:outcomes_agree" and o.variant != "ungated":
         return 0
-    if o.obligation.startswith(("bmc-crosscheck", "cex:")):
+    if o.obligation.startswith(("bmc-crosscheck", "cex:", "refines:")):
         return 1
     return 2 if not o.unbounded else 3
 
