@@ -101,7 +101,7 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
     bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
-        return Outcome("not inductive", "; ".join(bad))
+        return Outcome("not inductive", "; ".join(bad) + _cti_for(v, names, log, st))
     return Outcome("proved", f"init + {len(log.queries) - 1} actions unsat"
                    + (f"; with lemmas {lemmas}" if lemmas else "")
                    + ("; for every timeout T >= 1: age <= T, so a request leaves within T+1 steps"
@@ -207,6 +207,18 @@ def _premises(ob: Obligation, st: Settings) -> Outcome:
 
 
 CTI_SIZES = Sizes(2, 2, 2)     # the sorts' bound for the sat searches (Ctx.at_most)
+
+
+def _cti_for(v: Variant, names: list[str], log, st: Settings) -> str:
+    """A failed proof, made concrete: the first failing action's CTI, searched with the
+    sorts bounded (as the negative rows do), so a timeout still shows what breaks."""
+    for label, r in log.queries:
+        if r.status == "sat" or (r.status == "unknown" and label != "init"):
+            found = check_step(v, names, st.timeout_ms, only=[label], at_most=CTI_SIZES, describe=True)
+            for _, res in found.queries:
+                if res.status == "sat":
+                    return f"; {label}: {res.reason}"
+    return ""
 
 
 def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
