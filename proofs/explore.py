@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--max-states", type=int, default=None)
     p.add_argument("--room-zero", action="store_true", help="request 0 has bootstrap_room 0")
+    p.add_argument("--equal-rooms", action="store_true", help="every request has the same room")
     args = p.parse_args(argv)
     for name in ("ranks", "requests", "steps", "slots", "max_states"):
         value = getattr(args, name)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} {value} is out of range")
     v = VARIANTS[args.variant]
     r = explore(v, args.ranks, args.requests, args.steps, args.slots,
-                max_states=args.max_states, room_zero=args.room_zero)
+                max_states=args.max_states, room_zero=args.room_zero, equal_rooms=args.equal_rooms)
     print(r.summary())
     found = list(r.violations.items()) + ([("bounded_wait", r.liveness)] if r.liveness else [])
     for name, path in found:

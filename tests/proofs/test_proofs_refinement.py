@@ -64,3 +64,13 @@ def test_a_spec_guard_change_is_reported_in_both_readings(monkeypatch):
     for mode in ("unbounded", "finite"):
         rep = run_set(ALL_VARIANTS["strict"], RefinementSet(mode, 1, 1, 1, 1))
         assert rep.mismatches and "spec allows it, the encoding refuses it" in rep.mismatches[0], mode
+
+
+def test_explore_keeps_every_distinct_state_and_the_room_modes():
+    from proofs.explore import explore, request_events
+    v = ALL_VARIANTS["gate"]
+    res = explore(v, 1, 2, 1, 1, invariants=[], check_liveness=False, keep_states=True, equal_rooms=True)
+    assert len(res.reached) == res.states and res.complete
+    assert len({s.key() for s in res.reached}) == len(res.reached)
+    assert {e.room for e in request_events(3, equal_rooms=True)} == {request_events(1)[0].room}
+    assert [e.room for e in request_events(2, room_zero=True)][0] == 0
