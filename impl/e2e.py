@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
 
-DEFAULT_TIMEOUT_MS = 3000.0      # strict's bound, as time; converted to steps
 KEYS = ("committed", "aborted", "lost", "byte_exact", "gate_holds", "commit_latency_p50_ms",
         "commit_latency_p99_ms", "mb_per_s")
 
@@ -39,10 +38,13 @@ class E2EConfig:
     host: str = "127.0.0.1"
 
 
-def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | None:
+def timeout_steps_for(variant: str, step_ms: float, given: int | None,
+                      gate_timeout_s: float = GATE_TIMEOUT_S) -> int | None:
+    """strict's agreed step count: ``--timeout-steps`` if given, else ``--gate-timeout-s``
+    at the rank loop's step period (a step takes at least ``--step-ms``)."""
     if variant != "strict":
         return None
-    return given if given is not None else max(1, math.ceil(DEFAULT_TIMEOUT_MS / step_ms))
+    return given if given is not None else steps_for(gate_timeout_s, step_ms / 1000)
 
 
 def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
@@ -117,8 +119,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
             return f"--metadata-delay names rank {r}, but ranks are 0..{args.ranks - 1}"
     if args.timeout_steps is not None and args.timeout_steps < 1:
         return f"--timeout-steps must be >= 1, got {args.timeout_steps}"
-    if args.step_ms <= 0 or args.timeout_s <= 0:
-        return "--step-ms and --timeout-s must be > 0"
+    if args.step_ms <= 0 or args.timeout_s <= 0 or not args.gate_timeout_s > 0:
+        return "--step-ms, --timeout-s and --gate-timeout-s must be > 0"
     if args.inflight < 1 or args.slots < args.inflight:
         return f"need 1 <= --inflight <= --slots, got {args.inflight} and {args.slots}"
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
@@ -154,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                  "--fence-grace-s", str(args.fence_grace_s),
                  "--collective-timeout-s", str(args.collective_timeout_s)]
     cfg = E2EConfig(args.ranks, args.requests, args.variant, args.metadata_delay, workload,
-                    rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps),
+                    rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps,
+                                                 args.gate_timeout_s),
                     args.slots, args.baseline, args.trace, args.timeout_s, args.host)
     from impl.mooncake.cluster import ClusterError
     from impl.mooncake.report import ReportError

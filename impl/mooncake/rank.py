@@ -29,6 +29,7 @@ import torch
 from impl.decode import (Aborted, Committed, DecodeRequest, DecodeTransferQueue, GlooExchange,
                          MetadataBuffers, Req, SlotAllocator, StepTrace)
 from impl.mooncake.decode import BufferSpec, DecodeTransport
+from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.engine import Engine
 from impl.mooncake.landing import Landing, Tracked
 from impl.mooncake.stdio import StdinLines
@@ -77,7 +78,9 @@ class DecodeRank:
                                 timeout=datetime.timedelta(seconds=a.collective_timeout_s))
         self.exchange = GlooExchange(None, a.collective_timeout_s)
         self.queue = DecodeTransferQueue(None, self.visible, SlotAllocator(a.slots), a.variant,
-                                         timeout_steps=a.timeout_steps,
+                                         timeout_steps=a.timeout_steps or (
+                                             steps_for(a.gate_timeout_s, a.step_ms / 1000)
+                                             if a.variant == "strict" else None),
                                          collective_timeout_s=a.collective_timeout_s, tracer=self.log)
         self.landing = Landing(self.rank, self.landing_bufs, self.visible)
         self.free_pages: deque[int] = deque(range(a.pages))
@@ -231,8 +234,11 @@ class DecodeRank:
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by the rank process and ``pdgate e2e`` (which forwards them)."""
     p.add_argument("--variant", choices=("gate", "strict"), default="strict")
+    p.add_argument("--gate-timeout-s", type=float, default=GATE_TIMEOUT_S,
+                   help="strict's gate timeout in seconds, converted at --step-ms to an agreed "
+                        f"step count (default {GATE_TIMEOUT_S:g})")
     p.add_argument("--timeout-steps", type=int, default=None,
-                   help="strict's bound in steps (default: about 3 s of steps)")
+                   help="strict's bound as a step count instead (overrides --gate-timeout-s)")
     p.add_argument("--slots", type=int, default=64, help="metadata slots per rank")
     p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
     p.add_argument("--inflight", type=int, default=16, help="most requests in the queue")
