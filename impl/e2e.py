@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import socket
 import sys
 import tempfile
@@ -17,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
 from model.cli import number, writable_problem
 
-DEFAULT_TIMEOUT_MS = 3000.0      # strict's bound, as time; converted to steps
 KEYS = ("committed", "aborted", "lost", "byte_exact", "gate_holds", "commit_latency_p50_ms",
         "commit_latency_p99_ms", "mb_per_s")
 
@@ -46,10 +45,13 @@ class E2EConfig:
     during: Callable[[Any, Any], None] | None = None
 
 
-def timeout_steps_for(variant: str, step_ms: float, given: int | None) -> int | None:
+def timeout_steps_for(variant: str, step_ms: float, given: int | None,
+                      gate_timeout_s: float = GATE_TIMEOUT_S) -> int | None:
+    """strict's agreed step count: ``--timeout-steps`` if given, else ``--gate-timeout-s``
+    at the rank loop's step period (a step takes at least ``--step-ms``)."""
     if variant != "strict":
         return None
-    return given if given is not None else max(1, math.ceil(DEFAULT_TIMEOUT_MS / step_ms))
+    return given if given is not None else steps_for(gate_timeout_s, step_ms / 1000)
 
 
 def aborts_explained(cfg: E2EConfig) -> bool:
@@ -176,6 +178,8 @@ def _usage_error(args: argparse.Namespace) -> str | None:
                 f"--max-pages x --page-bytes x --ranks), limit 2048 MiB")
     if args.pages * args.page_bytes > 4 << 30:
         return f"--pages x --page-bytes is {(args.pages * args.page_bytes) >> 20} MiB per rank, limit 4096 MiB"
+    if not args.gate_timeout_s > 0:
+        return "--gate-timeout-s must be > 0"
     if args.inflight < 1 or args.slots < args.inflight:
         return f"need 1 <= --inflight <= --slots, got {args.inflight} and {args.slots}"
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
@@ -218,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
                  "--collective-timeout-s", str(args.collective_timeout_s),
                  "--connect-timeout-s", str(args.connect_timeout_s)]
     cfg = E2EConfig(args.ranks, args.requests, args.variant, args.metadata_delay, workload,
-                    rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps),
+                    rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps,
+                                                 args.gate_timeout_s),
                     args.slots, args.baseline, args.trace, args.timeout_s, args.host,
                     args.step_ms, args.work_dir)
     out = run_e2e(cfg)

@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
                    help="per solver query (default 20)")
     p.add_argument("--list", action="store_true", help="list the obligations and exit")
+    p.add_argument("--mutants", action="store_true",
+                   help="self-test: apply each built-in mutant (a small bug, in memory) in a worker and "
+                        "run obligations until one flips; exit 0 iff every mutant is killed "
+                        "(--json then writes the mutants with killed and caught_by)")
 
 
 def _select(args: argparse.Namespace) -> list[Obligation]:
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print(f"{err}--timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
         return 2
+    if args.mutants:
+        return _run_mutants(args)
     obs = _select(args)
     if not obs:
         print(f"{err}no obligation matches the filters", file=sys.stderr)
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         failed += not ok
         rows.append({"obligation": o.obligation, "variant": o.variant, "expected": o.expected,
                      "result": out.result, "seconds": round(out.seconds, 3),
+                     "cpu_seconds": round(out.cpu_seconds, 3),
                      "unbounded": o.unbounded, "detail": out.detail,
                      **({"trace": out.trace} if out.trace else {})})
     _print_table(rows)
@@ -108,6 +115,36 @@ def run(args: argparse.Namespace) -> int:
             print(f"{err}cannot write {args.json}: {exc.strerror}", file=sys.stderr)
             return 2
     return 1 if failed else 0
+
+
+def _run_mutants(args: argparse.Namespace) -> int:
+    from proofs.mutants import MUTANTS, run_all
+    err = "pdgate prove --mutants: "
+    if args.variant or args.only or args.list:
+        print(f"{err}--variant, --only and --list select obligations, not mutants", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        results = run_all(jobs=args.jobs, timeout_ms=int(args.timeout * 1000))
+    except TimeoutError:
+        print(f"{err}a mutant worker did not finish; stopped them", file=sys.stderr)
+        return 1
+    width = max(len(m.name) for m in MUTANTS)
+    print(f"{'mutant':{width}s}  {'area':8s}  killed  caught by")
+    for r in results:
+        print(f"{r.name:{width}s}  {r.area:8s}  {'yes' if r.killed else 'NO':6s}  "
+              f"{', '.join(r.caught_by) or '-'}  ({r.checked} run, {r.seconds:.1f} s)")
+    survivors = [r.name for r in results if not r.killed]
+    print(f"{len(results) - len(survivors)}/{len(results)} mutants killed, "
+          f"{time.perf_counter() - t0:.1f} s wall" + (f"; SURVIVED: {', '.join(survivors)}" if survivors else ""))
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fp:
+                json.dump([r.row() for r in results], fp, indent=1)
+        except OSError as exc:
+            print(f"{err}cannot write {args.json}: {exc.strerror}", file=sys.stderr)
+            return 2
+    return 1 if survivors else 0
 
 
 SUITE_DEADLINE_S = 900.0   # the suite takes seconds; this long means a worker is stuck
@@ -133,10 +170,11 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
 
 
 def _cost_rank(o: Obligation) -> int:
-    """Rough cost order: two-request unrollings, explicit search, other unrollings, proofs."""
+    """Rough cost order: two-request unrollings, explicit search and refinement, other
+    unrollings, proofs."""
     if o.obligation == "cex:outcomes_agree" and o.variant != "ungated":
         return 0
-    if o.obligation.startswith(("bmc-crosscheck", "cex:")):
+    if o.obligation.startswith(("bmc-crosscheck", "cex:", "refines:")):
         return 1
     return 2 if not o.unbounded else 3
 

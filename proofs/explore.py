@@ -43,6 +43,7 @@ class ExploreResult:
     complete: bool                     # False if max_states cut the search short (an
     # early stop once every check broke is complete: no verdict can change after it)
     violations: dict[str, list[Event]] = field(default_factory=dict)
+    reached: list[SystemState] = field(default_factory=list)   # with keep_states=True
     liveness: list[Event] | None = None  # shortest path to a request older than wait_bound
     wait_bound: int = DEFAULT_TIMEOUT_STEPS
     seconds: float = 0.0
@@ -59,11 +60,17 @@ class ExploreResult:
                 f"violated: {broken}; bounded_wait({self.wait_bound}): {live}")
 
 
-def request_events(requests: int, room_zero: bool = False) -> list[Enqueue]:
+def request_events(requests: int, room_zero: bool = False,
+                   equal_rooms: bool = False) -> list[Enqueue]:
     """The deterministic requests the explorer enqueues; ``room_zero`` gives request 0
-    a genuine bootstrap_room of 0 (SGLang's sentinel value)."""
-    return [Enqueue(i, 0 if room_zero and i == 0 else ROOM_BASE + i, PAYLOAD_BASE + i)
-            for i in range(requests)]
+    a genuine bootstrap_room of 0 (SGLang's sentinel value), ``equal_rooms`` gives every
+    request the same room (a room cannot tell such tenants apart: the gate's MATCH is
+    then no protection, which the refinement check must see too)."""
+    def room(i: int) -> int:
+        if room_zero and i == 0:
+            return 0
+        return ROOM_BASE if equal_rooms else ROOM_BASE + i
+    return [Enqueue(i, room(i), PAYLOAD_BASE + i) for i in range(requests)]
 
 
 def _successor(state: SystemState, ev: Event) -> SystemState:
@@ -102,7 +109,8 @@ def _key(rank_keys: tuple, state: SystemState) -> tuple:
 def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             invariants: list[str] | None = None, max_states: int | None = None,
             room_zero: bool = False, wait_bound: int | None = None,
-            late_writes: bool = True, check_liveness: bool = True) -> ExploreResult:
+            late_writes: bool = True, check_liveness: bool = True,
+            equal_rooms: bool = False, keep_states: bool = False) -> ExploreResult:
     """Every state reachable with at most ``requests`` enqueues and ``steps`` protocol
     steps. ``wait_bound`` (default: the variant's timeout, else DEFAULT_TIMEOUT_STEPS)
     is the age past which a queued request counts as a liveness violation.
@@ -110,6 +118,8 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
     tell failures that need a late write from those that do not.
     ``check_liveness=False`` skips the bounded-wait check (``liveness`` stays None),
     so a search for counterexamples stops as soon as each named invariant broke.
+    ``keep_states=True`` searches the whole bound and returns every distinct state (one
+    per key) in ``reached``, in breadth-first order: the refinement check's inputs.
 
     Only Step and Enqueue change what the invariants read (queues, outcomes, ages), so
     the checks run on their successors alone; the search stops early once every named
@@ -120,7 +130,7 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             raise ValueError(f"unknown invariant {name!r} (known: {', '.join(INVARIANTS)})")
     bound = wait_bound if wait_bound is not None else (variant.timeout_steps or DEFAULT_TIMEOUT_STEPS)
     cap = max(variant.timeout_steps or 0, bound + 1)
-    reqs = request_events(requests, room_zero)
+    reqs = request_events(requests, room_zero, equal_rooms)
     fences_matter = variant.fence_before_reuse or variant.defer_failed is not Deferral.NONE
     started = time.perf_counter()
 
@@ -133,6 +143,7 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
     frontier: deque[tuple[int, SystemState, tuple]] = deque([(0, init, init_keys)])
     result = ExploreResult(variant.name, ranks, requests, steps, slots, 0, True, wait_bound=bound)
     pending = set(names)
+    kept: set[tuple] = set()
 
     def path(node: int) -> list[Event]:
         out: list[Event] = []
@@ -150,8 +161,13 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             result.liveness = path(node)
 
     check(0, init)
-    while frontier and (pending or (check_liveness and result.liveness is None)):
+    while frontier and (keep_states or pending or (check_liveness and result.liveness is None)):
         node, state, rank_keys = frontier.popleft()
+        if keep_states:
+            key = _key(rank_keys, state)
+            if key not in kept:
+                kept.add(key)
+                result.reached.append(state)
         offer = [reqs[len(state.requests)]] if len(state.requests) < requests else []
         for ev in enabled(state, offer):
             rank = getattr(ev, "rank", None)
@@ -203,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--max-states", type=int, default=None)
     p.add_argument("--room-zero", action="store_true", help="request 0 has bootstrap_room 0")
+    p.add_argument("--equal-rooms", action="store_true", help="every request has the same room")
     args = p.parse_args(argv)
     for name in ("ranks", "requests", "steps", "slots", "max_states"):
         value = getattr(args, name)
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} {value} is out of range")
     v = VARIANTS[args.variant]
     r = explore(v, args.ranks, args.requests, args.steps, args.slots,
-                max_states=args.max_states, room_zero=args.room_zero)
+                max_states=args.max_states, room_zero=args.room_zero, equal_rooms=args.equal_rooms)
     print(r.summary())
     found = list(r.violations.items()) + ([("bounded_wait", r.liveness)] if r.liveness else [])
     for name, path in found:

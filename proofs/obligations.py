@@ -3,23 +3,30 @@
 Kinds (the ``obligation`` column):
   safety:INV        inductive invariant, Z3 over unbounded sorts (all T, N, slots)
   lemma:slots       the slot bookkeeping the encoding relies on (owner of a held slot)
-  liveness:bounded_wait  strict: age <= timeout_steps is inductive (unbounded);
+  liveness:bounded_wait  strict: age <= T is inductive for a symbolic T >= 1 (unbounded);
                     others: a lasso (a reachable state whose step changes only ages)
   cex:INV           the smallest counterexample by bounded unrolling, exported as a trace
   nonvacuous:*      premises satisfiable; a commit is reachable; the gate can hold one
   bmc-crosscheck    proofs/explore.py's explicit-state search agrees (small sizes)
+  induction:INV     unbounded, for each invariant the variant breaks: not inductive,
+                    shown by a concrete counterexample to induction
+  consistent:actions  unbounded: every action's guard and side axioms are satisfiable
+  refines:spec      every small reachable spec state and every event: the symbolic
+                    action (unbounded and finite readings) allows exactly the spec's
+                    successor, or at least it where a named abstraction adds behaviour
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 import z3
 
-from model.encoding.checks import (BmcResult, Goal, bmc, premises, prove_inductive,
-                                   stutter_goal, violates)
+from model.encoding.checks import (BmcResult, Goal, bmc, check_step, consistent, premises,
+                                   prove_inductive, stutter_goal, violates)
 from model.encoding.vocab import Sizes, Z3OPS
 from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
 from model.spec.variants import ABLATIONS, VARIANTS, Admission, Deferral, Variant
@@ -49,6 +56,7 @@ PROVED: dict[str, tuple[str, ...]] = {
     "deferred-local": ("exactly_once",),
     "deferred": ("queues_identical", "exactly_once"),
     "strict-set-order": SAFETY_NAMES,
+    "strict-no-fence": ("outcomes_agree",),
 }
 RELATIONAL = ("queues_identical", "outcomes_agree")   # compare ranks: need T >= 2
 ALL_VARIANTS: dict[str, Variant] = {**VARIANTS, **ABLATIONS}
@@ -80,6 +88,7 @@ class Outcome:
     detail: str = ""
     trace: str | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0    # this process's CPU time: what a loaded machine does not inflate
 
 
 @dataclass(frozen=True)
@@ -97,31 +106,46 @@ class Obligation:
 
 
 # -- checks -------------------------------------------------------------------------------
+def symbolic_timeout(v: Variant) -> Variant:
+    """``v`` with its timeout replaced by a Z3 constant T (the context assumes T >= 1):
+    a proof about it holds for every bound the variant can be configured with."""
+    return replace(v, timeout_steps=z3.Int("T"))
+
+
 def _inductive(ob: Obligation, st: Settings) -> Outcome:
     v = ALL_VARIANTS[ob.variant]
     names = bundle(v, ob.arg) if ob.arg in BUNDLES else SLOT_LEMMAS
-    log = prove_inductive(v, names, st.timeout_ms)
+    symbolic = ob.arg == "bounded_wait" and v.timeout_steps is not None
+    log = prove_inductive(symbolic_timeout(v) if symbolic else v, names, st.timeout_ms)
     bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
-        return Outcome("not inductive", "; ".join(bad))
+        return Outcome("not inductive", "; ".join(bad) + _cti_for(v, names, log, st))
     return Outcome("proved", f"init + {len(log.queries) - 1} actions unsat"
-                   + (f"; with lemmas {lemmas}" if lemmas else ""))
+                   + (f"; with lemmas {lemmas}" if lemmas else "")
+                   + ("; for every timeout T >= 1: age <= T, so a request leaves within T+1 steps"
+                      if symbolic else ""))
 
 
-def proved_facts(variant: str) -> list[str]:
-    """Invariants this run proves for the variant (unbounded): assumed on every
-    unrolled frame to prune the bounded search (sound: they hold in every reachable state)."""
-    if variant not in PROVED:
-        return []
+@lru_cache(maxsize=None)
+def proved_facts(variant: str, timeout_ms: int = 20_000) -> tuple[str, ...]:
+    """The facts this run proves for the variant (unbounded): every candidate bundle
+    (the slot lemmas, then each expected safety bundle) is checked here and only those
+    found inductive count. Assumed on every unrolled frame to prune the bounded
+    search (sound: they hold in every reachable state); nothing is assumed that this
+    process has not just proved (cached per worker)."""
     v = ALL_VARIANTS[variant]
-    return sorted({n for inv in PROVED[variant] for n in bundle(v, inv)} | set(SLOT_LEMMAS))
+    facts: set[str] = set()
+    for names in [SLOT_LEMMAS] + [bundle(v, inv) for inv in PROVED.get(variant, ())]:
+        if not prove_inductive(v, names, timeout_ms).failures("unsat"):
+            facts |= set(names)
+    return tuple(sorted(facts))
 
 
 def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
     """Fewest ranks, then requests, then slots, then transitions (within the bounds).
     ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them."""
-    assume = proved_facts(variant.name)
+    assume = proved_facts(variant.name, timeout_ms)
     for ranks in range(first_ranks, MAX_RANKS + 1):
         for reqs in range(1, MAX_REQS + 1):
             for slots in range(1, reqs + 1):
@@ -185,10 +209,11 @@ def _explored(ob: Obligation, st: Settings) -> Outcome:
 
 
 def _lasso(ob: Obligation, st: Settings) -> Outcome:
-    extra = None
     if ob.arg == "room0":        # a genuine room 0, every field landed everywhere
         extra = lambda c, s, r: z3.And([z3.And(c.room(r) == 0, s.lr(k, r), s.lp(k, r))
                                         for k in c.elems["Rank"]])
+    else:                        # a real room (the impl refuses room 0) that never lands
+        extra = lambda c, s, r: c.room(r) != 0
     return _found(ob, st, stutter_goal(extra), export_lasso, "lasso")
 
 
@@ -221,6 +246,51 @@ def _premises(ob: Obligation, st: Settings) -> Outcome:
     return Outcome("proved", f"{len(bundles)} invariants x 7 actions satisfiable at T=2 N=2 S=2")
 
 
+CTI_SIZES = Sizes(2, 2, 2)     # the sorts' bound for the sat searches (Ctx.at_most)
+
+
+def _cti_for(v: Variant, names: list[str], log, st: Settings) -> str:
+    """A failed proof, made concrete: the first failing action's CTI, searched with the
+    sorts bounded (as the negative rows do), so a timeout still shows what breaks."""
+    for label, r in log.queries:
+        if r.status == "sat" or (r.status == "unknown" and label != "init"):
+            found = check_step(v, names, st.timeout_ms, only=[label], at_most=CTI_SIZES, describe=True)
+            for _, res in found.queries:
+                if res.status == "sat":
+                    return f"; {label}: {res.reason}"
+    return ""
+
+
+def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
+    """The broken invariant with every fact proved for the variant: some action takes a
+    state satisfying them all to one that breaks them, shown as a concrete CTI."""
+    names = [ob.arg] + [n for n in proved_facts(ob.variant, st.timeout_ms) if n != ob.arg]
+    log = check_step(ALL_VARIANTS[ob.variant], names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
+    found = [(label, r) for label, r in log.queries if r.status == "sat"]
+    if found:
+        return Outcome("not inductive", found[0][1].reason)
+    unknown = log.failures("unsat")
+    if unknown:
+        return Outcome("unknown", "; ".join(unknown))
+    return Outcome("inductive", f"every action unsat with {', '.join(names)}")
+
+
+def _consistent(ob: Obligation, st: Settings) -> Outcome:
+    names = list(proved_facts(ob.variant, st.timeout_ms))
+    log = consistent(ALL_VARIANTS[ob.variant], names, CTI_SIZES, st.timeout_ms)
+    bad = log.failures("sat")
+    if bad:
+        return Outcome("inconsistent", "; ".join(bad))
+    return Outcome("proved", f"{len(log.queries)} actions: guard and side axioms satisfiable "
+                   f"with the proved facts ({len(names)}), unbounded sorts")
+
+
+def _refines(ob: Obligation, st: Settings) -> Outcome:
+    from proofs.refinement import refinement
+    ok, detail = refinement(ALL_VARIANTS[ob.variant])
+    return Outcome("proved" if ok else "refinement mismatch", detail)
+
+
 def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
     from proofs.crosscheck import crosscheck
     return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
@@ -234,10 +304,11 @@ def obligations() -> list[Obligation]:
         for inv in SAFETY_NAMES:
             if inv in PROVED[name]:
                 out.append(Obligation(f"safety:{inv}", name, "proved", True, _inductive, inv))
-            elif inv == "outcomes_agree" and VARIANTS[name].defer_failed is not Deferral.NONE:
-                out.append(Obligation(f"cex:{inv}", name, "counterexample", False, _explored, inv))
             else:
-                out.append(Obligation(f"cex:{inv}", name, "counterexample", False, _counterexample, inv))
+                deep = inv == "outcomes_agree" and VARIANTS[name].defer_failed is not Deferral.NONE
+                out.append(Obligation(f"cex:{inv}", name, "counterexample", False,
+                                      _explored if deep else _counterexample, inv))
+                out.append(Obligation(f"induction:{inv}", name, "not inductive", True, _not_inductive, inv))
         if VARIANTS[name].timeout_steps is not None:
             out.append(Obligation("liveness:bounded_wait", name, "proved", True, _inductive, "bounded_wait"))
         else:             # no timeout: a request the gate holds (or retries) forever
@@ -250,10 +321,11 @@ def obligations() -> list[Obligation]:
         out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
-    out.append(Obligation("cex:no_corruption", "strict-no-room-order", "counterexample", False,
-                          _counterexample, "no_corruption"))
-    out.append(Obligation("cex:no_corruption", "strict-no-fence", "counterexample", False,
-                          _counterexample, "no_corruption"))
+    for ablation in ("strict-no-room-order", "strict-no-fence"):
+        out.append(Obligation("cex:no_corruption", ablation, "counterexample", False,
+                              _counterexample, "no_corruption"))
+        out.append(Obligation("induction:no_corruption", ablation, "not inductive", True,
+                              _not_inductive, "no_corruption"))
     out.append(Obligation("safety:outcomes_agree", "strict-no-fence", "proved", True, _inductive,
                           "outcomes_agree"))
     out.append(Obligation("liveness:bounded_wait", "strict-no-timeout", "counterexample", False,
@@ -261,20 +333,27 @@ def obligations() -> list[Obligation]:
     # agreed admission is needed: strict's quarantine is per rank
     out.append(Obligation("cex:queues_identical", "strict-local-admission", "counterexample", False,
                           _counterexample, "queues_identical"))
+    out.append(Obligation("induction:queues_identical", "strict-local-admission", "not inductive",
+                          True, _not_inductive, "queues_identical"))
     # the free order is not needed: SGLang's set order proves the same (the unbounded
     # encoding takes any free slot, so no proof reads the order)
     for inv in SAFETY_NAMES:
         out.append(Obligation(f"safety:{inv}", "strict-set-order", "proved", True, _inductive, inv))
     out.append(Obligation("liveness:bounded_wait", "strict-set-order", "proved", True, _inductive,
                           "bounded_wait"))
+    # The symbolic actions against the spec, on every small reachable state: a change
+    # to a mechanism in model/spec flips this row without model/encoding being touched.
+    for name in ALL_VARIANTS:
+        out.append(Obligation("consistent:actions", name, "proved", True, _consistent))
+        out.append(Obligation("refines:spec", name, "proved", False, _refines))
     return out
 
 
 def run_obligation(ob: Obligation, st: Settings) -> Outcome:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         out = ob.check(ob, st)
     except z3.Z3Exception as exc:
         out = Outcome("solver error", str(exc))
-    out.seconds = time.perf_counter() - t0
+    out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return out

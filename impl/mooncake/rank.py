@@ -31,6 +31,7 @@ from impl.decode import (Aborted, Committed, DecodeRequest, DecodeTransferQueue,
 from impl.decode.collective import rendezvous_store
 from impl.mooncake.auth import receive_key
 from impl.mooncake.decode import BufferSpec, DecodeTransport
+from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.engine import Engine
 from impl.mooncake.landing import Landing, Tracked
 from impl.mooncake.stdio import StdinLines
@@ -84,7 +85,9 @@ class DecodeRank:
                                 timeout=datetime.timedelta(seconds=a.collective_timeout_s))
         self.exchange = GlooExchange(None, a.collective_timeout_s)
         self.queue = DecodeTransferQueue(None, self.visible, SlotAllocator(a.slots), a.variant,
-                                         timeout_steps=a.timeout_steps,
+                                         timeout_steps=a.timeout_steps or (
+                                             steps_for(a.gate_timeout_s, a.step_ms / 1000)
+                                             if a.variant == "strict" else None),
                                          collective_timeout_s=a.collective_timeout_s, tracer=self.log)
         self.landing = Landing(self.rank, self.landing_bufs, self.visible)
         self.free_pages: deque[int] = deque(range(a.pages))
@@ -241,8 +244,11 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
     range is what a run can use: outside it healthy requests would abort (a heartbeat
     window of 0) or the rank could not start (a pool bigger than memory)."""
     p.add_argument("--variant", choices=("gate", "strict"), default="strict")
+    p.add_argument("--gate-timeout-s", type=number(0, 86_400, above=True), default=GATE_TIMEOUT_S,
+                   help="strict's gate timeout in seconds, converted at --step-ms to an agreed "
+                        f"step count (default {GATE_TIMEOUT_S:g})")
     p.add_argument("--timeout-steps", type=number(1, 10**9, integer=True), default=None,
-                   help="strict's bound in steps (default: about 3 s of steps)")
+                   help="strict's bound as a step count instead (overrides --gate-timeout-s)")
     p.add_argument("--slots", type=number(1, 1 << 16, integer=True), default=64,
                    help="metadata slots per rank")
     p.add_argument("--pages", type=number(1, 1 << 20, integer=True), default=512,

@@ -31,10 +31,11 @@ from typing import Any, Callable
 
 import z3
 
+from model.spec.events import Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.kernel import Decision, gated_poll, pop_decision
 from model.spec.kvpoll import KVPoll
 from model.spec.variants import Admission, Deferral
-from model.encoding.vocab import Ctx, State, Z3OPS
+from model.encoding.vocab import Ctx, State, Z3OPS, memo
 
 WAITING, SUCCESS, FAILED = int(KVPoll.WaitingForInput), int(KVPoll.Success), int(KVPoll.Failed)
 TRANSFERRING = int(KVPoll.Transferring)
@@ -218,13 +219,15 @@ def fence(ctx: Ctx, s: State, k0: Any = None, r0: Any = None) -> Action:
 def protocol_step(ctx: Ctx, s: State) -> Action:
     """poll -> gate -> MIN -> pop -> release, on every rank and request at once."""
     v = ctx.variant
-    g = lambda k, r: gated_poll(v, s.recv(k, r), s.seen(k, r), ctx.room(r), s.age(k, r), Z3OPS)
+    # memo: the post-state reads each decision many times; build its term once.
+    g = memo(lambda k, r: gated_poll(v, s.recv(k, r), s.seen(k, r), ctx.room(r), s.age(k, r), Z3OPS))
     aligned, side = ctx.aligned(s)
     m, min_side = ctx.rank_min(g)
+    m = memo(m)
     havoc = ctx.fresh_fn("havoc_reduced", "Rank", "Req", "Int")
     red = lambda k, r: z3.If(aligned, m(r), havoc(k, r))
-    d = lambda k, r: pop_decision(v, red(k, r), s.seen(k, r), ctx.room(r), Z3OPS)
-    leaves = lambda k, r: z3.And(s.inq(k, r), d(k, r) != KEEP)
+    d = memo(lambda k, r: pop_decision(v, red(k, r), s.seen(k, r), ctx.room(r), Z3OPS))
+    leaves = memo(lambda k, r: z3.And(s.inq(k, r), d(k, r) != KEEP))
     commits = lambda k, r: z3.And(leaves(k, r), d(k, r) == COMMIT)
     if v.defer_failed is Deferral.NONE:
         defer = lambda k, r: z3.BoolVal(False)
@@ -236,6 +239,7 @@ def protocol_step(ctx: Ctx, s: State) -> Action:
         hold = lambda k, r: z3.BoolVal(False)
     release, release_side = _deferred_release(ctx, s)
 
+    @memo
     def freed(k: Any, x: Any) -> Any:
         o = s.owner(k, x)
         return z3.And(s.slot(k, o) == x, z3.Or(
@@ -285,6 +289,26 @@ def actions(ctx: Ctx, s: State) -> list[Action]:
     """Every action from pre-state ``s``, in ACTION_NAMES order (fresh parameters each call)."""
     return [enqueue(ctx, s), receiver(ctx, s, "kv_done", SUCCESS), receiver(ctx, s, "fail", FAILED),
             land(ctx, s, "room"), land(ctx, s, "payload"), fence(ctx, s), protocol_step(ctx, s)]
+
+
+def event_action(ctx: Ctx, s: State, ev: Event) -> Action:
+    """The action of one spec event, its parameters the context's elements (the one
+    place that maps spec events to actions: the refinement check goes through it)."""
+    rank = lambda: ctx.elems["Rank"][ev.rank]
+    req = lambda: ctx.elems["Req"][ev.req]
+    if isinstance(ev, Enqueue):
+        return enqueue(ctx, s, req())
+    if isinstance(ev, KvDone):
+        return receiver(ctx, s, "kv_done", SUCCESS, rank(), req())
+    if isinstance(ev, Fail):
+        return receiver(ctx, s, "fail", FAILED, rank(), req())
+    if isinstance(ev, Land):
+        return land(ctx, s, ev.field, rank(), req())
+    if isinstance(ev, Fence):
+        return fence(ctx, s, rank(), req())
+    if isinstance(ev, Step):
+        return protocol_step(ctx, s)
+    raise ValueError(f"no action for event {ev!r}")
 
 
 def ground_actions(ctx: Ctx, s: State) -> list[Action]:

@@ -41,26 +41,101 @@ def check_init(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000)
     ctx = Ctx(variant)
     s = ctx.declare_state("")
     solver = Solver(timeout_ms)
-    solver.add(init(ctx, s), z3.Not(conj(ctx, s, names)))
+    solver.add(*ctx.axioms, init(ctx, s), z3.Not(conj(ctx, s, names)))
     return solver.check()
 
 
 def check_step(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000,
-               only: Sequence[str] = ACTION_NAMES) -> QueryLog:
+               only: Sequence[str] = ACTION_NAMES, at_most: Sizes | None = None,
+               describe: bool = False) -> QueryLog:
     """Unbounded consecution, one query per action: the conjunction before the action
-    and its negation after it is unsat for every action."""
+    and its negation after it is unsat for every action. ``at_most`` bounds the sorts
+    (Ctx.at_most) for a search that expects sat: a counterexample to induction then
+    comes back fast, and ``describe`` puts it (pre-state, event, post-state) in the
+    result's ``reason``."""
     ctx = Ctx(variant)
     s = ctx.declare_state("")
     solver = Solver(timeout_ms)
-    solver.add(conj(ctx, s, names))
+    solver.add(*ctx.axioms, conj(ctx, s, names))
+    if at_most is not None:
+        solver.add(*ctx.at_most(at_most))
     log = QueryLog()
     for a in actions(ctx, s):
         if a.name not in only:
             continue
         with solver.frame():
             solver.add(a.guard, *a.side, z3.Not(conj(ctx, a.post, names)))
+            res = solver.check()
+            if describe and res.model is not None:
+                res.reason = describe_cti(ctx, s, a, res.model, names)
+            log.queries.append((a.name, res))
+    return log
+
+
+def consistent(variant: Variant, names: Sequence[str], at_most: Sizes = Sizes(2, 2, 2),
+               timeout_ms: int = 20_000) -> QueryLog:
+    """Unbounded: for every action, some state satisfying the conjunction enables it,
+    its side axioms (the MIN, alignment) included (expect sat). A contradictory guard or
+    axiom would make every consecution query of that action unsat: this says it is not."""
+    ctx = Ctx(variant)
+    s = ctx.declare_state("")
+    solver = Solver(timeout_ms)
+    solver.add(*ctx.axioms, conj(ctx, s, names), *ctx.at_most(at_most))
+    log = QueryLog()
+    for a in actions(ctx, s):
+        with solver.frame():
+            solver.add(a.guard, *a.side)
             log.queries.append((a.name, solver.check()))
     return log
+
+
+def _snapshot(model: z3.ModelRef, ctx: Ctx, s: State, ranks: list, reqs: list,
+              names: dict) -> str:
+    """One line per rank: each request it has seen, with what the invariants read."""
+    ev = lambda t: model.eval(t, model_completion=True)
+    lines = []
+    for k in ranks:
+        items = []
+        for r in reqs:
+            if not z3.is_true(ev(s.enq(r))):
+                continue
+            flags = []
+            if z3.is_true(ev(s.inq(k, r))):
+                flags.append(f"queued recv={ev(s.recv(k, r))} age={ev(s.age(k, r))}")
+            if z3.is_true(ev(s.dec(k, r))):
+                flags.append("commit payload=" + str(ev(s.cpay(k, r))) if z3.is_true(ev(s.commit(k, r)))
+                             else "abort")
+            if z3.is_true(ev(s.quar(k, r))):
+                flags.append("quarantined")
+            flags.append(f"seen room {ev(s.seen(k, r))}"
+                         + "".join(f" {f}" for f, b in (("room-landed", s.lr), ("payload-landed", s.lp))
+                                   if z3.is_true(ev(b(k, r)))))
+            items.append(f"{names[r.get_id()]}: {', '.join(flags)}")
+        lines.append(f"{names[k.get_id()]}[{'; '.join(items) or 'nothing'}]")
+    return " ".join(lines)
+
+
+def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Sequence[str]) -> str:
+    """A counterexample to induction from a model: its ranks and requests (the model's
+    universe), the pre-state, the event with its arguments, the post-state, and which
+    conjunct breaks."""
+    ranks = list(model.get_universe(ctx.sorts["Rank"]) or [])
+    reqs = list(model.get_universe(ctx.sorts["Req"]) or [])
+    label = {e.get_id(): f"rank{i}" for i, e in enumerate(ranks)}
+    label.update({e.get_id(): f"req{i}" for i, e in enumerate(reqs)})
+    for r in reqs:
+        room = model.eval(ctx.room(r), model_completion=True)
+        pay = model.eval(ctx.payload(r), model_completion=True)
+        label[r.get_id()] += f"(room {room}, payload {pay})"
+    args = []
+    for key in ("rank", "req"):
+        if key in a.params:
+            v = model.eval(a.params[key], model_completion=True)
+            args.append(label.get(v.get_id(), str(v)).split("(")[0])
+    broken = [n for n in names if not z3.is_true(model.eval(PREDICATES[n](ctx, a.post), model_completion=True))]
+    return (f"CTI with {len(ranks)} ranks, {len(reqs)} requests: pre {_snapshot(model, ctx, s, ranks, reqs, label)}"
+            f" | event {a.name}({', '.join(args)}) | post {_snapshot(model, ctx, a.post, ranks, reqs, label)}"
+            f" | breaks {', '.join(broken)}")
 
 
 def prove_inductive(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000) -> QueryLog:

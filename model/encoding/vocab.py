@@ -8,6 +8,10 @@ are read:
   every number of ranks, requests and slots.
 * finite (``sizes=Sizes(...)``): each sort is a list of distinct named elements and
   ``forall`` expands to a conjunction, so bounded unrolling is quantifier-free.
+* interpreted (``universe=Sizes(...)``, refinement only): the unbounded reading (real
+  ``ForAll``, the MIN's axioms, alignment skolems, fresh choices) with each sort an
+  enumeration of exactly that many elements (distinct, and nothing else: domain
+  closure), so the unbounded code runs on one concrete state (model/encoding/refine.py).
 
 A ``State`` holds one callable per state function; a pre-state wraps declared
 ``z3.Function`` symbols, a post-state is built by an action as closures over the
@@ -98,6 +102,20 @@ class State:
 assert [f.name for f in fields(State)] == list(SIGNATURE)
 
 
+def memo(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` over Z3 terms, each distinct argument tuple built once. Terms are hash-consed,
+    so equal terms share an id; the cache keeps the arguments alive so no id is reused."""
+    cache: dict[tuple[int, ...], tuple[Any, tuple]] = {}
+
+    def cached(*args: Any) -> Any:
+        key = tuple(a.get_id() for a in args)
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = (f(*args), args)
+        return hit[0]
+    return cached
+
+
 @dataclass(frozen=True)
 class Sizes:
     ranks: int
@@ -108,16 +126,40 @@ class Sizes:
         return f"T={self.ranks} N={self.reqs} S={self.slots}"
 
 
+_ENUMS: dict[tuple[str, int], tuple[z3.SortRef, list[z3.ExprRef]]] = {}
+
+
+def _enum_sort(name: str, size: int) -> tuple[z3.SortRef, list[z3.ExprRef]]:
+    """The enumeration sort of ``size`` elements standing for ``name`` (one per size:
+    Z3 datatypes are declared once per name)."""
+    if size < 1:
+        raise ValueError(f"a {name} universe needs at least one element, got {size}")
+    key = (name, size)
+    if key not in _ENUMS:
+        sort, consts = z3.EnumSort(f"{name}{size}", [f"{name.lower()}{i}.{size}" for i in range(size)])
+        _ENUMS[key] = (sort, list(consts))
+    return _ENUMS[key]
+
+
 class Ctx:
     """Sorts, rigid request data, quantifier reading and fresh names for one query family."""
 
-    def __init__(self, variant: Variant, sizes: Sizes | None = None):
+    def __init__(self, variant: Variant, sizes: Sizes | None = None,
+                 universe: Sizes | None = None):
+        if sizes is not None and universe is not None:
+            raise ValueError("a context is finite (sizes) or interpreted (universe), not both")
         self.variant = variant
         self.sizes = sizes
         self.finite = sizes is not None
+        self.elems: dict[str, list[z3.ExprRef]] = {}
         # Unbounded: uninterpreted sorts. Finite: the integers 0..n-1, so that equalities
         # between elements are decided by Z3's simplifier rather than by search.
-        if sizes is None:
+        # Interpreted: enumeration sorts (their constants are distinct and are all there is).
+        if universe is not None:
+            self.sorts = {}
+            for n, size in (("Rank", universe.ranks), ("Req", universe.reqs), ("Slot", universe.slots)):
+                self.sorts[n], self.elems[n] = _enum_sort(n, size)
+        elif sizes is None:
             self.sorts = {n: z3.DeclareSort(n) for n in ("Rank", "Req", "Slot")}
         else:
             self.sorts = {n: z3.IntSort() for n in ("Rank", "Req", "Slot")}
@@ -128,8 +170,9 @@ class Ctx:
         self.payload = z3.Function("payload", req, z3.IntSort())
         self.idx = z3.Function("enqueue_index", req, z3.IntSort())
         self._count = itertools.count()
-        self.elems: dict[str, list[z3.ExprRef]] = {}
         self.axioms: list[z3.BoolRef] = []
+        if isinstance(variant.timeout_steps, z3.ExprRef):    # a symbolic bound: any T >= 1
+            self.axioms.append(variant.timeout_steps >= 1)
         if sizes is not None:
             for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
                 self.elems[name] = [z3.IntVal(i) for i in range(n)]
@@ -153,6 +196,19 @@ class Ctx:
             return z3.And([body(*xs) for xs in itertools.product(*(self.elems[s] for s in sorts))])
         xs = [self.fresh(s.lower(), s) for s in sorts]
         return z3.ForAll(xs, body(*xs))
+
+    def at_most(self, sizes: Sizes) -> list[z3.BoolRef]:
+        """Unbounded only: every sort has at most ``sizes`` elements (domain closure over
+        fresh constants). Added to a query whose answer should be sat, it steers the
+        quantifier engine to small models; any model of it is a model of the query
+        without it, so a sat answer (and its model) stands for the unbounded query."""
+        if self.finite:
+            raise ValueError("at_most bounds the unbounded sorts")
+        out = []
+        for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
+            elems = [self.fresh(f"{name.lower()}_elem", name) for _ in range(n)]
+            out.append(self.forall((name,), lambda x, es=elems: z3.Or([x == e for e in es])))
+        return out
 
     def member(self, term: z3.ExprRef, sort: str) -> z3.BoolRef:
         """Finite: the term denotes one of the sort's elements. Unbounded: trivially true."""

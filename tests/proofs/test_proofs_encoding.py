@@ -7,6 +7,7 @@ import pytest
 import z3
 
 from model.encoding.actions import actions, init
+from model.encoding.refine import view
 from model.encoding.invariants import LEMMAS, SAFETY
 from model.encoding.solver import Solver
 from model.encoding.vocab import Ctx, Sizes, State
@@ -19,32 +20,7 @@ RANKS, REQS, SLOTS = 2, 3, 2
 ALL = {**VARIANTS, **ABLATIONS}
 
 
-def _view(state, reqs):
-    """The spec state as plain values per encoding function."""
-    out = {}
-    for k, rs in enumerate(state.ranks):
-        for r in range(reqs):
-            forgotten = r in rs.outcomes and r not in rs.landed
-            forgotten |= r in state.requests and r not in rs.landed    # never taken (local admission)
-            bits = 3 if forgotten else rs.landed.get(r, 0)
-            kind, value = rs.outcomes.get(r, ("", 0))
-            out.update({("inq", k, r): r in rs.queue, ("recv", k, r): rs.recv.get(r, 0),
-                        ("age", k, r): rs.age.get(r, 0), ("slot", k, r): rs.slot_of.get(r, 0),
-                        ("dec", k, r): r in rs.outcomes, ("commit", k, r): kind == "commit",
-                        ("cpay", k, r): value if kind == "commit" else 0,
-                        ("lr", k, r): bool(bits & 1), ("lp", k, r): bool(bits & 2),
-                        ("fen", k, r): r in rs.fenced, ("quar", k, r): r in rs.quarantined,
-                        ("held", k, r): r in rs.held, ("hage", k, r): rs.held.get(r, 0)})
-        holders = {rs.slot_of[r]: r for r in (*rs.queue, *rs.quarantined, *rs.held)}
-        for x in range(state.n_slots):
-            pos = rs.free.index(x) if x in rs.free else None
-            out.update({("free", k, x): pos is not None, ("rroom", k, x): rs.room_at[x],
-                        ("rpay", k, x): rs.payload_at[x], ("owner", k, x): holders.get(x, 0),
-                        ("stamp", k, x): (pos - len(rs.free) - 1) if pos is not None else -99})
-    for r in range(reqs):
-        out[("enq", r)] = r in state.requests
-    out[("clock",)] = 1
-    return out
+_view = view     # the spec state as plain values per encoding function (model/encoding/refine.py)
 
 
 def _assert_view(ctx: Ctx, s: State, view: dict) -> list:

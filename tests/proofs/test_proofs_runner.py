@@ -27,11 +27,43 @@ def test_rows_have_the_documented_keys(suite):
     _, rows = suite
     for r in rows:
         assert {"obligation", "variant", "expected", "result", "seconds", "unbounded"} <= set(r)
-        assert r["expected"] in ("proved", "counterexample")
-        assert r["unbounded"] == r["obligation"].startswith(("safety:", "lemma:")) or (
+        assert r["expected"] in ("proved", "counterexample", "not inductive")
+        assert r["unbounded"] == r["obligation"].startswith(
+            ("safety:", "lemma:", "induction:", "consistent:")) or (
             r["obligation"] == "liveness:bounded_wait" and r["expected"] == "proved")
         if r["expected"] == "counterexample":
             assert r.get("trace"), r
+
+
+def test_every_broken_invariant_has_a_negative_unbounded_row_with_a_cti(suite):
+    """A vacuous encoding (every query unsat) would prove these too: they must come out
+    not inductive, each with a concrete counterexample to induction."""
+    _, rows = suite
+    cex = {(r["obligation"].split(":")[1], r["variant"]) for r in rows if r["obligation"].startswith("cex:")}
+    neg = {(r["obligation"].split(":")[1], r["variant"]): r for r in rows
+           if r["obligation"].startswith("induction:")}
+    assert set(neg) == cex
+    for r in neg.values():
+        assert r["result"] == "not inductive" and r["unbounded"]
+        assert r["detail"].startswith("CTI with") and "| event " in r["detail"] and "| post " in r["detail"]
+
+
+def test_refinement_and_consistency_rows_cover_every_variant(suite):
+    _, rows = suite
+    from proofs.obligations import ALL_VARIANTS
+    assert {r["variant"] for r in rows if r["obligation"] == "refines:spec"} == set(ALL_VARIANTS)
+    assert {r["variant"] for r in rows if r["obligation"] == "consistent:actions"} == set(ALL_VARIANTS)
+    live = next(r for r in rows if r["obligation"] == "liveness:bounded_wait" and r["variant"] == "strict")
+    assert "every timeout T >= 1" in live["detail"]
+
+
+def test_the_gate_liveness_counterexample_uses_a_nonzero_room(suite):
+    """The impl refuses room 0, so the trace it could replay must use another room."""
+    _, rows = suite
+    row = next(r for r in rows if r["obligation"] == "liveness:bounded_wait" and r["variant"] == "gate")
+    with open(row["trace"], encoding="utf-8") as fp:
+        enqueues = [json.loads(x) for x in fp if '"enqueue"' in x]
+    assert enqueues and all(e["room"] != 0 for e in enqueues), enqueues
 
 
 def test_the_expected_verdicts_per_variant(suite):

@@ -1,0 +1,377 @@
+"""``pdgate prove --mutants``: the proof suite's self-test.
+
+Each mutant is one small, plausible bug, applied in memory in a fresh worker process
+(a replaced function, a changed variant field, a wrapped mechanism: never an edited
+file). The worker then runs the obligations of ``pdgate prove`` (those most likely to
+notice first, then all the others) and stops at the first whose result differs from
+its expectation: that obligation killed the mutant. A mutant no obligation notices
+survives, and is a finding (docs/PROOFS.md).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from typing import Any, Callable
+
+import z3
+
+MUTANT_DEADLINE_S = 600.0     # one mutant: the whole suite is far quicker than this
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str                       # kernel, variant, machine, min, encoding, lemmas
+    bug: str                        # what it gets wrong, in words
+    apply: Callable[[], None]       # patches the running process
+    first: tuple[str, ...] = ()     # obligation keys (obligation@variant) to try first
+
+
+# -- patching helpers -------------------------------------------------------------------
+def _replace_everywhere(original: Any, new: Any) -> None:
+    """Every module of the project that holds ``original`` (``from m import f`` copies it)
+    gets ``new`` instead."""
+    for mod in list(sys.modules.values()):
+        name = getattr(mod, "__name__", "")
+        if not name.startswith(("model.", "proofs.")):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is original:
+                setattr(mod, attr, new)
+
+
+def _swap(module: str, attr: str, make: Callable[[Any], Any]) -> None:
+    original = getattr(sys.modules[module], attr)
+    _replace_everywhere(original, make(original))
+
+
+def _variant(name: str, **changes: Any) -> Callable[[], None]:
+    """Change fields of one variant everywhere it is looked up (spec and proofs)."""
+    def apply() -> None:
+        from model.spec import variants
+        from proofs import obligations
+        for table in (variants.VARIANTS, variants.ABLATIONS, obligations.ALL_VARIANTS):
+            if name in table:
+                table[name] = replace(table[name], **changes)
+    return apply
+
+
+def _clear_caches() -> None:
+    from model.spec import kernel, machine
+    from proofs import obligations
+    for f in (kernel.gate_table, kernel.pop_table, kernel.keep_regardless, machine._tables,
+              obligations.proved_facts):
+        f.cache_clear()
+
+
+# -- the mutants ----------------------------------------------------------------------------
+def _gate_match_as_nonzero() -> None:
+    from model.spec import kernel
+    from model.spec.variants import GateRule
+
+    def gate_holds(v, room_seen, room_expected, ops=kernel.PY):
+        if v.gate is GateRule.NONE:
+            return ops.false
+        return ops.eq(room_seen, 0)          # MATCH forgotten: any non-zero room passes
+    _replace_everywhere(kernel.gate_holds, gate_holds)
+
+
+def _timeout_off_by_one() -> None:
+    from model.spec import kernel
+    _swap("model.spec.kernel", "gated_poll", lambda orig: lambda v, local, seen, exp, age, ops=kernel.PY: orig(
+        v, local, seen, exp, age, replace(ops, ge=lambda a, b: ops.ge(a, b + 1))))
+
+
+def _timeout_ignored() -> None:
+    from model.spec import kernel
+    _swap("model.spec.kernel", "gated_poll", lambda orig: lambda v, local, seen, exp, age, ops=kernel.PY: orig(
+        replace(v, timeout_steps=None), local, seen, exp, age, ops))
+
+
+def _commit_on_mismatch() -> None:
+    from model.spec import kernel
+    _swap("model.spec.kernel", "pop_decision", lambda orig: lambda v, reduced, seen, exp, ops=kernel.PY: ops.ite(
+        ops.eq(orig(v, reduced, seen, exp, ops), int(kernel.Decision.ABORT_ROOM_MISMATCH)),
+        int(kernel.Decision.COMMIT), orig(v, reduced, seen, exp, ops)))
+
+
+def _lifo_free_list() -> None:
+    from model.spec import machine
+
+    def enqueue(orig):
+        def lifo(state, ev):
+            if ev.req not in state.requests and all(rs.free for rs in state.ranks):
+                for rs in state.ranks:           # the original pops the front: put the last there
+                    rs.free.insert(0, rs.free.pop())
+            orig(state, ev)
+        return lifo
+    machine._ENV_HANDLERS[machine.Enqueue] = enqueue(machine._ENV_HANDLERS[machine.Enqueue])
+
+
+def _enqueue_skips_full_rank() -> None:
+    from model.spec import machine
+    from model.spec.state import Request, WAITING
+
+    def enqueue(state, ev):
+        if ev.req in state.requests:
+            raise machine.EventNotEnabled(f"enqueue: request {ev.req} was already enqueued")
+        if not any(rs.free for rs in state.ranks):
+            raise machine.EventNotEnabled("enqueue: no rank has a free metadata slot")
+        state.requests[ev.req] = Request(ev.room, ev.payload)
+        for rs in state.ranks:
+            if not rs.free:
+                continue                          # the bug: this rank never queues it
+            rs.queue.append(ev.req)
+            rs.recv[ev.req], rs.age[ev.req] = WAITING, 0
+            rs.slot_of[ev.req], rs.landed[ev.req] = rs.free.pop(0), 0
+    machine._ENV_HANDLERS[machine.Enqueue] = enqueue
+
+
+def _fence_keeps_quarantine() -> None:
+    from model.spec import machine
+
+    def fence(state, ev):
+        rs = machine._rank(state, ev.rank)
+        if ev.req not in rs.outcomes:
+            raise machine.EventNotEnabled(f"fence: request {ev.req} has not left rank {ev.rank}")
+        if ev.req not in rs.landed:
+            raise machine.EventNotEnabled(f"fence: request {ev.req} has nothing in flight")
+        rs.fenced.add(ev.req)                     # the bug: its quarantined slot stays held
+    machine._ENV_HANDLERS[machine.Fence] = fence
+
+
+def _no_clear_on_free() -> None:
+    from model.spec import machine
+
+    def free_slot(state, rs, req):
+        rs.free.append(rs.slot_of[req])          # the row keeps the old room
+    _replace_everywhere(machine._free_slot, free_slot)
+
+
+def _room_before_payload_allowed() -> None:
+    from model.spec import machine
+    orig = machine._land
+
+    def land(state, rank, req, field):
+        v = state.variant
+        state.variant = replace(v, room_after_payload=False)
+        try:
+            orig(state, rank, req, field)
+        finally:
+            state.variant = v
+    _replace_everywhere(orig, land)
+    machine._ENV_HANDLERS[machine.Land] = lambda state, ev: land(state, ev.rank, ev.req, ev.field)
+
+
+def _relatch_failed() -> None:
+    from model.spec import machine
+
+    def latch(state, rank, req, value, what):
+        recv = machine._rank(state, rank).recv
+        if req not in recv:
+            raise machine.EventNotEnabled(f"{what}: request {req} is not queued on rank {rank}")
+        if recv[req] == int(machine.KVPoll.Success) and value != int(machine.KVPoll.Failed):
+            raise machine.EventNotEnabled(f"{what}: already latched")   # as the spec
+        recv[req] = value                        # the bug: a Failed receiver can turn Success
+    _replace_everywhere(machine._latch, latch)
+
+
+def _max_reduce() -> None:
+    from model.spec import kvpoll
+    orig = kvpoll.min_reduce
+
+    def max_reduce(vectors):
+        orig(vectors)                            # the same length check
+        return list(map(max, zip(*vectors)))
+    _replace_everywhere(orig, max_reduce)
+
+
+def _min_strict_axiom() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.rank_min
+
+    def rank_min(self, g):
+        m, side = orig(self, g)
+        if self.finite:
+            return m, side
+        # below every rank's value, strictly: contradicts the witness axiom
+        return m, [self.forall(("Rank", "Req"), lambda k, r: m(r) < g(k, r))] + side[1:]
+    vocab.Ctx.rank_min = rank_min
+
+
+def _min_no_witness() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.rank_min
+
+    def rank_min(self, g):
+        m, side = orig(self, g)
+        return (m, side[:1]) if not self.finite else (m, side)   # a lower bound only
+    vocab.Ctx.rank_min = rank_min
+
+
+def _aligned_no_skolem() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.aligned
+
+    def aligned(self, s):
+        al, side = orig(self, s)
+        return (al, side[:1]) if not self.finite else (al, side)  # "aligned" may be false anyway
+    vocab.Ctx.aligned = aligned
+
+
+def _forall_first_sort_only() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.forall
+
+    def forall(self, sorts, body):
+        if self.finite or len(sorts) == 1:
+            return orig(self, sorts, body)
+        rest = [self.fresh(s.lower(), s) for s in sorts[1:]]
+        return orig(self, sorts[:1], lambda x: body(x, *rest))
+    vocab.Ctx.forall = forall
+
+
+def _fresh_not_checked() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.first_fresh
+    vocab.Ctx.first_fresh = lambda self, s, r0: orig(self, s, r0) if self.finite else z3.BoolVal(True)
+
+
+def _member_false() -> None:
+    from model.encoding import vocab
+    orig = vocab.Ctx.member
+    vocab.Ctx.member = lambda self, t, sort: orig(self, t, sort) if self.finite else z3.BoolVal(False)
+
+
+def _bundle_drops_lemma() -> None:
+    from proofs import obligations
+    obligations.BUNDLES["no_corruption"] = [n for n in obligations.BUNDLES["no_corruption"]
+                                            if n != "room_is_own_or_zero"]
+
+
+def _lemma_too_strong() -> None:
+    from model.encoding import invariants
+    from model.spec.kvpoll import KVPoll
+
+    def recv_range(c, s):      # "a queued receiver is still waiting": kv_done breaks it
+        return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(
+            s.inq(k, r), s.recv(k, r) == int(KVPoll.WaitingForInput)))
+    invariants.LEMMAS["recv_range"] = invariants.PREDICATES["recv_range"] = recv_range
+
+
+def _invariant_trivial() -> None:
+    from model.encoding import invariants
+    trivial = lambda c, s: z3.BoolVal(True)
+    invariants.SAFETY["no_corruption"] = invariants.PREDICATES["no_corruption"] = trivial
+
+
+MUTANTS: list[Mutant] = [
+    Mutant("kernel-match-as-nonzero", "kernel", "strict's MATCH gate only holds on room 0",
+           _gate_match_as_nonzero, ("safety:outcomes_agree@strict",)),
+    Mutant("kernel-timeout-off-by-one", "kernel", "the timeout fires one step late",
+           _timeout_off_by_one, ("liveness:bounded_wait@strict",)),
+    Mutant("kernel-timeout-ignored", "kernel", "gated_poll never reports a timeout",
+           _timeout_ignored, ("liveness:bounded_wait@strict",)),
+    Mutant("kernel-commit-on-mismatch", "kernel", "a MIN Success with another request's room commits",
+           _commit_on_mismatch, ("cex:outcomes_agree@gate-noclear",)),
+    Mutant("variant-strict-no-clear", "variant", "strict does not zero a freed row",
+           _variant("strict", clear_on_free=False), ("safety:no_corruption@strict",)),
+    Mutant("variant-strict-room-any-order", "variant", "strict's room may land before the payload",
+           _variant("strict", room_after_payload=False), ("safety:no_corruption@strict",)),
+    Mutant("variant-strict-no-fence", "variant", "strict reuses a slot with writes still in flight",
+           _variant("strict", fence_before_reuse=False), ("safety:no_corruption@strict",)),
+    Mutant("variant-gate-keeps-room0", "variant", "gate keeps a request whose room reads 0 after a MIN Success",
+           _variant("gate", keep_on_room_zero=True), ("safety:queues_identical@gate",)),
+    Mutant("machine-lifo-free-list", "machine", "enqueue takes the most recently freed slot",
+           _lifo_free_list, ("refines:spec@strict",)),
+    Mutant("machine-enqueue-skips-full-rank", "machine", "enqueue skips a rank with no free slot",
+           _enqueue_skips_full_rank, ("refines:spec@strict",)),
+    Mutant("machine-fence-keeps-quarantine", "machine", "a fence does not free a quarantined slot",
+           _fence_keeps_quarantine, ("refines:spec@strict",)),
+    Mutant("machine-no-clear-on-free", "machine", "freeing a slot never zeroes its room",
+           _no_clear_on_free, ("refines:spec@gate",)),
+    Mutant("machine-room-before-payload", "machine", "land ignores the room-after-payload order",
+           _room_before_payload_allowed, ("refines:spec@strict",)),
+    Mutant("machine-relatch-failed", "machine", "a Failed receiver can still turn Success",
+           _relatch_failed, ("refines:spec@strict",)),
+    Mutant("min-is-max", "min", "the all-reduce takes the MAX",
+           _max_reduce, ("refines:spec@gate",)),
+    Mutant("min-strict-axiom", "min", "unbounded MIN: strictly below every rank (contradicts the witness)",
+           _min_strict_axiom, ("consistent:actions@strict",)),
+    Mutant("min-no-witness", "min", "unbounded MIN: a lower bound only, no witness rank",
+           _min_no_witness, ("refines:spec@strict",)),
+    Mutant("encoding-aligned-no-skolem", "encoding", "unbounded alignment: its existential half dropped",
+           _aligned_no_skolem, ("refines:spec@strict",)),
+    Mutant("encoding-forall-first-sort", "encoding", "unbounded forall binds only its first variable",
+           _forall_first_sort_only, ("safety:queues_identical@strict",)),
+    Mutant("encoding-fresh-unchecked", "encoding", "unbounded enqueue may reuse an enqueued request",
+           _fresh_not_checked, ("safety:exactly_once@strict",)),
+    Mutant("encoding-member-false", "encoding", "unbounded membership is false (every guard vacuous)",
+           _member_false, ("consistent:actions@strict",)),
+    Mutant("lemmas-bundle-drops-room", "lemmas", "no_corruption's bundle lacks room_is_own_or_zero",
+           _bundle_drops_lemma, ("safety:no_corruption@strict",)),
+    Mutant("lemmas-recv-too-strong", "lemmas", "recv_range claims a queued receiver is always waiting",
+           _lemma_too_strong, ("safety:outcomes_agree@strict",)),
+    Mutant("invariant-no-corruption-trivial", "lemmas", "the encoded no_corruption is True",
+           _invariant_trivial, ("induction:no_corruption@gate",)),
+]
+
+
+@dataclass
+class MutantResult:
+    name: str
+    area: str
+    bug: str
+    killed: bool
+    caught_by: list[str]
+    detail: str
+    checked: int
+    seconds: float
+
+    def row(self) -> dict:
+        return {"mutant": self.name, "area": self.area, "bug": self.bug, "killed": self.killed,
+                "caught_by": self.caught_by, "detail": self.detail,
+                "obligations_run": self.checked, "seconds": round(self.seconds, 2)}
+
+
+MUTANT_TIMEOUT_MS = 20_000    # per solver query, as pdgate prove: a kill is what prove itself would show
+
+
+def run_mutant(name: str, timeout_ms: int = MUTANT_TIMEOUT_MS) -> MutantResult:
+    """Apply one mutant to this process and run obligations until one flips (call it in
+    a throw-away worker: the patches are never undone)."""
+    from pathlib import Path
+    import tempfile
+
+    from proofs.obligations import Settings, obligations, run_obligation
+    m = next(m for m in MUTANTS if m.name == name)
+    t0 = time.perf_counter()
+    _clear_caches()
+    m.apply()
+    _clear_caches()
+    obs = obligations()
+    first = [o for key in m.first for o in obs if o.key == key]
+    order = first + [o for o in obs if o not in first]
+    with tempfile.TemporaryDirectory() as tmp:
+        st = Settings(Path(tmp), timeout_ms)
+        for i, ob in enumerate(order, 1):
+            out = run_obligation(ob, st)
+            if out.result != ob.expected:
+                return MutantResult(m.name, m.area, m.bug, True, [ob.key],
+                                    f"{out.result} (expected {ob.expected}): {out.detail[:300]}",
+                                    i, time.perf_counter() - t0)
+    return MutantResult(m.name, m.area, m.bug, False, [], "every obligation as expected",
+                        len(order), time.perf_counter() - t0)
+
+
+def run_all(names: list[str] | None = None, jobs: int = 2, timeout_ms: int = MUTANT_TIMEOUT_MS
+            ) -> list[MutantResult]:
+    """Every mutant in its own forked worker (``jobs`` at a time)."""
+    names = names or [m.name for m in MUTANTS]
+    ctx = get_context("fork")
+    with ctx.Pool(jobs, maxtasksperchild=1) as pool:
+        pending = [pool.apply_async(run_mutant, (n, timeout_ms)) for n in names]
+        deadline = time.monotonic() + MUTANT_DEADLINE_S * max(1, len(names) // jobs)
+        return [p.get(timeout=max(deadline - time.monotonic(), 1.0)) for p in pending]
