@@ -97,9 +97,10 @@ def _snapshot(model: z3.ModelRef, ctx: Ctx, s: State, ranks: list, reqs: list,
     for k in ranks:
         items = []
         for r in reqs:
-            if not z3.is_true(ev(s.enq(r))):
+            seen_here = [s.enq(r), s.inq(k, r), s.dec(k, r), s.quar(k, r)]
+            if not any(z3.is_true(ev(b)) for b in seen_here):
                 continue
-            flags = []
+            flags = [] if z3.is_true(ev(s.enq(r))) else ["never enqueued"]
             if z3.is_true(ev(s.inq(k, r))):
                 flags.append(f"queued recv={ev(s.recv(k, r))} age={ev(s.age(k, r))}")
             if z3.is_true(ev(s.dec(k, r))):

@@ -87,6 +87,20 @@ def _symbolic_fn(ctx: Ctx, arg_sorts: Sequence[str], consts: dict[tuple[int, ...
     return f
 
 
+def describe_state(state: SystemState) -> str:
+    """A spec state in one line: what each rank holds (for mismatch reports)."""
+    def rank(k: int) -> str:
+        rs = state.ranks[k]
+        parts = [f"queue {rs.queue}", f"recv {rs.recv}", f"landed {rs.landed}"]
+        parts += [f"outcomes {rs.outcomes}"] if rs.outcomes else []
+        parts += [f"quarantined {sorted(rs.quarantined)}"] if rs.quarantined else []
+        parts += [f"fenced {sorted(rs.fenced)}"] if rs.fenced else []
+        parts += [f"free {rs.free}", f"rooms {rs.room_at}", f"payloads {rs.payload_at}"]
+        return f"rank{k}(" + ", ".join(parts) + ")"
+    reqs = ", ".join(f"{r}: room {q.room}" for r, q in sorted(state.requests.items()))
+    return f"requests {{{reqs}}} " + " ".join(rank(k) for k in range(len(state.ranks)))
+
+
 def view(state: SystemState, n_reqs: int) -> dict[tuple, Any]:
     """The spec state as one value per encoding function and element tuple. Entries
     the spec has dropped (a forgotten request, a free slot's last owner) get the
@@ -248,7 +262,7 @@ class Checker:
             self.report.events += 1
             problem = self._check_event(self._eval(ev), before, pinned, state, ev)
             if problem:
-                self.report.mismatches.append(f"{self.mode} {state.key()} {ev}: {problem}")
+                self.report.mismatches.append(f"{self.mode}: in {describe_state(state)}: {ev}: {problem}")
 
     def _agrees(self, e: _Eval, before: dict[tuple, Any], key: tuple, value: Any) -> Any:
         """True/False where known without Z3, else the formula (over the pre-state
