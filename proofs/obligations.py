@@ -224,7 +224,10 @@ def _cti_for(v: Variant, names: list[str], log, st: Settings) -> str:
 def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
     """The broken invariant with every fact proved for the variant: some action takes a
     state satisfying them all to one that breaks them, shown as a concrete CTI."""
-    names = [ob.arg] + [n for n in proved_facts(ob.variant, st.timeout_ms) if n != ob.arg]
+    extra = BUNDLES["bounded_wait"][1:] if ob.arg == "bounded_wait" else []
+    names = [ob.arg] + [n for n in (*extra, *proved_facts(ob.variant, st.timeout_ms))
+                        if n != ob.arg]
+    names = list(dict.fromkeys(names))
     log = check_step(ALL_VARIANTS[ob.variant], names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
     found = [(label, r) for label, r in log.queries if r.status == "sat"]
     if found:
@@ -275,6 +278,8 @@ def obligations() -> list[Obligation]:
             out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
         out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
     out.append(Obligation("liveness:bounded_wait", "gate", "counterexample", False, _lasso, "never-lands"))
+    out.append(Obligation("induction:bounded_wait", "gate", "not inductive", True, _not_inductive,
+                          "bounded_wait"))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
     for ablation in ("strict-no-room-order", "strict-no-fence"):
@@ -286,6 +291,8 @@ def obligations() -> list[Obligation]:
                           "outcomes_agree"))
     out.append(Obligation("liveness:bounded_wait", "strict-no-timeout", "counterexample", False,
                           _lasso, "never-lands"))
+    out.append(Obligation("induction:bounded_wait", "strict-no-timeout", "not inductive", True,
+                          _not_inductive, "bounded_wait"))
     # The symbolic actions against the spec, on every small reachable state: a change
     # to a mechanism in model/spec flips this row without model/encoding being touched.
     for name in ALL_VARIANTS:
