@@ -97,7 +97,8 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
     names = BUNDLES.get(ob.arg, SLOT_LEMMAS)
     v = ALL_VARIANTS[ob.variant]
     symbolic = ob.arg == "bounded_wait" and v.timeout_steps is not None
-    log = prove_inductive(symbolic_timeout(v) if symbolic else v, names, st.timeout_ms)
+    v = symbolic_timeout(v) if symbolic else v
+    log = prove_inductive(v, names, st.timeout_ms)
     bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
@@ -307,5 +308,7 @@ def run_obligation(ob: Obligation, st: Settings) -> Outcome:
         out = ob.check(ob, st)
     except z3.Z3Exception as exc:
         out = Outcome("solver error", str(exc))
+    except Exception as exc:        # a bug in a check: one row says so, the run goes on
+        out = Outcome("error", f"{type(exc).__name__}: {exc}")
     out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return out

@@ -153,8 +153,9 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
               if z3.is_false(model.eval(PREDICATES[n](expand, a.post), model_completion=True))]
     if "bounded_wait" in names:
         bound = ctx.variant.timeout_steps if ctx.variant.timeout_steps is not None else ctx.wait_bound
-        broken = [f"{n} (bound {model.eval(bound, model_completion=True)})" if n == "bounded_wait" else n
-                  for n in broken]
+        if isinstance(bound, z3.ExprRef):
+            bound = model.eval(bound, model_completion=True)
+        broken = [f"{n} (bound {bound})" if n == "bounded_wait" else n for n in broken]
     return (f"CTI with {len(ranks)} ranks, {len(reqs)} requests: pre {_snapshot(model, ctx, s, ranks, reqs, label)}"
             f" | event {a.name}({', '.join(args)}) | post {_snapshot(model, ctx, a.post, ranks, reqs, label)}"
             f" | breaks {', '.join(broken)}")

@@ -23,9 +23,11 @@ Two readings of the same action code are checked:
   except that the step on misaligned queues is disabled (an under-approximation: the
   counterexample search stops at the first divergence anyway).
 
-Pre-state functions are closures over tables (not declared symbols), so on the
-elements Z3's simplifier folds most guards and posts to constants; the solver is asked
-only where a quantifier or a fresh symbol remains (enqueue's choice, the step's MIN).
+Each action is built once per event over a pre-state of constants (one per function
+and element tuple, the rigid request data included); a state is pinned by substituting
+its values for them, so Z3's simplifier decides most guards and successors, and the
+solver is asked only where a quantifier or a fresh symbol remains (enqueue's choice, the
+step's MIN and alignment), once per distinct pinned formula.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import z3
 from z3.z3 import _to_expr_ref
 from z3.z3core import Z3_substitute
 
-from model.encoding.actions import Action, event_action
+from model.encoding.actions import event_action
 from model.encoding.solver import Solver
 from model.encoding.vocab import SIGNATURE, Ctx, Sizes, State, memo
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
