@@ -318,15 +318,13 @@ def obligations() -> list[Obligation]:
         else:             # no timeout: a request the gate holds (or retries) forever
             out.append(Obligation("liveness:bounded_wait", name, "counterexample", False, _lasso,
                                   "never-lands"))
+            out.append(Obligation("induction:bounded_wait", name, "not inductive", True,
+                                  _not_inductive, "bounded_wait"))
         out.append(Obligation("nonvacuous:premises", name, "proved", False, _premises))
         out.append(Obligation("nonvacuous:commit", name, "proved", False, _witness, "commit"))
         if VARIANTS[name].gate.value != "none":
             out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
         out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
-    # the gate's age grows while it holds: no wait bound is inductive (the lasso above is
-    # the same failure as a trace)
-    out.append(Obligation("induction:bounded_wait", "gate", "not inductive", True, _not_inductive,
-                          "bounded_wait"))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
     for ablation in ("strict-no-room-order", "strict-no-fence"):
