@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from model.cli import SUBCOMMANDS, main
-from tests.hostile.cases import (FLAG_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
+from tests.hostile.cases import (FLAG_CASES, SIM_BOUND_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
                                  verdict_traces)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,6 +128,14 @@ def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
     assert_clean(rc, out, err, codes=(2,))
     assert seconds < SECONDS, seconds
     assert not (tmp_path / "good.impl.jsonl").exists()       # nothing ran
+
+
+@pytest.mark.parametrize("argv", SIM_BOUND_CASES, ids=lambda a: " ".join(a))
+def test_simulations_that_would_not_end_are_refused_or_bounded(argv, tmp_path, capsys):
+    argv = [a.format(dir=tmp_path) for a in argv]
+    rc, out, err, seconds = run_cli(argv, capsys)
+    assert_clean(rc, out, err)
+    assert seconds < 60, seconds
 
 
 def test_every_subcommand_has_flag_cases():
