@@ -110,8 +110,12 @@ def test_frozen_prefill_meets_the_agreed_timeout_on_every_rank(cluster):
         for p in frozen:
             p.kill()                      # SIGCONT then SIGKILL
     assert_all(outcomes, "abort_failed")
-    # strict's timeout did it: no receiver had reported Failed when the request left
-    assert all(r["local"] != 0 for recs in outcomes.values() for r in recs)
+    # strict's timeout counts only steps the gate holds a latched Success on every rank:
+    # a transfer frozen mid-way (some rank still WaitingForInput) never ages, so the
+    # receivers' own heartbeat timeout reports Failed and the MIN aborts it everywhere
+    for recs in outcomes.values():
+        locals_ = [r["local"] for r in recs]
+        assert 0 in locals_ or all(p == 4 for p in locals_), locals_
 
 
 def test_metadata_dropped_to_one_rank_aborts_on_every_rank(cluster):
