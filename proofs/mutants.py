@@ -356,13 +356,18 @@ def run_mutant(name: str, timeout_ms: int = MUTANT_TIMEOUT_MS) -> MutantResult:
     order = first + [o for o in obs if o not in first]
     with tempfile.TemporaryDirectory() as tmp:
         st = Settings(Path(tmp), timeout_ms)
+        errors = []
         for i, ob in enumerate(order, 1):
             out = run_obligation(ob, st)
+            if out.result == "error":       # a check crashed: a bug, not a detection
+                errors.append(f"{ob.key}: {out.detail}")
+                continue
             if out.result != ob.expected:
                 return MutantResult(m.name, m.area, m.bug, True, [ob.key],
                                     f"{out.result} (expected {ob.expected}): {out.detail[:300]}",
                                     i, time.perf_counter() - t0)
-    return MutantResult(m.name, m.area, m.bug, False, [], "every obligation as expected",
+    return MutantResult(m.name, m.area, m.bug, False, [],
+                        "; ".join(errors) or "every obligation as expected",
                         len(order), time.perf_counter() - t0)
 
 

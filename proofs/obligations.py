@@ -117,7 +117,8 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
     v = ALL_VARIANTS[ob.variant]
     names = bundle(v, ob.arg) if ob.arg in BUNDLES else SLOT_LEMMAS
     symbolic = ob.arg == "bounded_wait" and v.timeout_steps is not None
-    log = prove_inductive(symbolic_timeout(v) if symbolic else v, names, st.timeout_ms)
+    v = symbolic_timeout(v) if symbolic else v
+    log = prove_inductive(v, names, st.timeout_ms)
     bad = log.failures("unsat")
     lemmas = ", ".join(n for n in names if n != ob.arg)
     if bad:
@@ -265,7 +266,13 @@ def _cti_for(v: Variant, names: list[str], log, st: Settings) -> str:
 def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
     """The broken invariant with every fact proved for the variant: some action takes a
     state satisfying them all to one that breaks them, shown as a concrete CTI."""
-    names = [ob.arg] + [n for n in proved_facts(ob.variant, st.timeout_ms) if n != ob.arg]
+    facts = proved_facts(ob.variant, st.timeout_ms)
+    # the liveness bundle's lemmas, where the variant has them (deferred-local's queues
+    # may diverge: a CTI breaking queues_identical would say nothing about the wait)
+    extra = [n for n in BUNDLES["bounded_wait"][1:] if n in facts or n == "recv_range"
+             or "queues_identical" in facts] if ob.arg == "bounded_wait" else []
+    names = [ob.arg] + [n for n in (*extra, *facts) if n != ob.arg]
+    names = list(dict.fromkeys(names))
     log = check_step(ALL_VARIANTS[ob.variant], names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
     found = [(label, r) for label, r in log.queries if r.status == "sat"]
     if found:
@@ -316,6 +323,8 @@ def obligations() -> list[Obligation]:
         else:             # no timeout: a request the gate holds (or retries) forever
             out.append(Obligation("liveness:bounded_wait", name, "counterexample", False, _lasso,
                                   "never-lands"))
+            out.append(Obligation("induction:bounded_wait", name, "not inductive", True,
+                                  _not_inductive, "bounded_wait"))
         out.append(Obligation("nonvacuous:premises", name, "proved", False, _premises))
         out.append(Obligation("nonvacuous:commit", name, "proved", False, _witness, "commit"))
         if VARIANTS[name].gate.value != "none":
@@ -332,6 +341,8 @@ def obligations() -> list[Obligation]:
                           "outcomes_agree"))
     out.append(Obligation("liveness:bounded_wait", "strict-no-timeout", "counterexample", False,
                           _lasso, "never-lands"))
+    out.append(Obligation("induction:bounded_wait", "strict-no-timeout", "not inductive", True,
+                          _not_inductive, "bounded_wait"))
     # agreed admission is needed: strict's quarantine is per rank
     out.append(Obligation("cex:queues_identical", "strict-local-admission", "counterexample", False,
                           _counterexample, "queues_identical"))
@@ -357,5 +368,7 @@ def run_obligation(ob: Obligation, st: Settings) -> Outcome:
         out = ob.check(ob, st)
     except z3.Z3Exception as exc:
         out = Outcome("solver error", str(exc))
+    except Exception as exc:        # a bug in a check: one row says so, the run goes on
+        out = Outcome("error", f"{type(exc).__name__}: {exc}")
     out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return out

@@ -34,13 +34,13 @@ ROOMS = ("distinct", "zero", "equal")
 PROVE_SETS = (
     RefinementSet("unbounded", 2, 1, 1, 1, "zero"),     # the MIN over ranks, misalignment, room 0
     RefinementSet("unbounded", 1, 2, 1, 1, "equal"),    # slot reuse, late writes, equal rooms
-    RefinementSet("finite", 1, 2, 1, 1, "distinct"),    # FIFO exact, late writes, distinct rooms
     RefinementSet("finite", 1, 1, 1, 2, "distinct"),    # a free list of two: its order shows
 )
 CI_SETS = tuple(RefinementSet(mode, *size, rooms) for mode in ("unbounded", "finite")
                 for size, rooms in (((2, 1, 2, 1), "distinct"), ((2, 1, 2, 1), "zero"),
                                     ((1, 2, 2, 1), "equal"))) + (
-    RefinementSet("finite", 1, 2, 1, 2, "distinct"),)    # reuse with two slots: FIFO order
+    RefinementSet("finite", 1, 2, 1, 2, "distinct"),     # reuse with two slots: FIFO order
+    RefinementSet("finite", 1, 2, 2, 1, "distinct"))     # late writes into a reused slot
 
 
 def run_set(variant: Variant, rs: RefinementSet, stop_at_first: bool = True) -> RefinementReport:

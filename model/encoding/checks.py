@@ -97,9 +97,10 @@ def _snapshot(model: z3.ModelRef, ctx: Ctx, s: State, ranks: list, reqs: list,
     for k in ranks:
         items = []
         for r in reqs:
-            if not z3.is_true(ev(s.enq(r))):
+            seen_here = [s.enq(r), s.inq(k, r), s.dec(k, r), s.quar(k, r)]
+            if not any(z3.is_true(ev(b)) for b in seen_here):
                 continue
-            flags = []
+            flags = [] if z3.is_true(ev(s.enq(r))) else ["never enqueued"]
             if z3.is_true(ev(s.inq(k, r))):
                 flags.append(f"queued recv={ev(s.recv(k, r))} age={ev(s.age(k, r))}")
             if z3.is_true(ev(s.dec(k, r))):
@@ -113,6 +114,20 @@ def _snapshot(model: z3.ModelRef, ctx: Ctx, s: State, ranks: list, reqs: list,
             items.append(f"{names[r.get_id()]}: {', '.join(flags)}")
         lines.append(f"{names[k.get_id()]}[{'; '.join(items) or 'nothing'}]")
     return " ".join(lines)
+
+
+class _OverUniverse:
+    """``ctx`` with its quantifiers expanded over a model's finite universe, so that a
+    predicate evaluates to true or false in that model (Z3 does not evaluate ForAll)."""
+
+    def __init__(self, ctx: Ctx, universe: dict[str, list]):
+        self._ctx, self._universe = ctx, universe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def forall(self, sorts: Sequence[str], body: Callable[..., Any]) -> z3.BoolRef:
+        return z3.And([body(*xs) for xs in itertools.product(*(self._universe[s] for s in sorts))])
 
 
 def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Sequence[str]) -> str:
@@ -132,7 +147,15 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
         if key in a.params:
             v = model.eval(a.params[key], model_completion=True)
             args.append(label.get(v.get_id(), str(v)).split("(")[0])
-    broken = [n for n in names if not z3.is_true(model.eval(PREDICATES[n](ctx, a.post), model_completion=True))]
+    expand = _OverUniverse(ctx, {"Rank": ranks, "Req": reqs,
+                                 "Slot": list(model.get_universe(ctx.sorts["Slot"]) or [])})
+    broken = [n for n in names
+              if z3.is_false(model.eval(PREDICATES[n](expand, a.post), model_completion=True))]
+    if "bounded_wait" in names:
+        bound = ctx.variant.timeout_steps if ctx.variant.timeout_steps is not None else ctx.wait_bound
+        if isinstance(bound, z3.ExprRef):
+            bound = model.eval(bound, model_completion=True)
+        broken = [f"{n} (bound {bound})" if n == "bounded_wait" else n for n in broken]
     return (f"CTI with {len(ranks)} ranks, {len(reqs)} requests: pre {_snapshot(model, ctx, s, ranks, reqs, label)}"
             f" | event {a.name}({', '.join(args)}) | post {_snapshot(model, ctx, a.post, ranks, reqs, label)}"
             f" | breaks {', '.join(broken)}")

@@ -34,9 +34,11 @@ def exactly_once(c: Ctx, s: State) -> z3.BoolRef:
 
 
 def bounded_wait(c: Ctx, s: State) -> z3.BoolRef:
-    """strict's liveness bound: a queued request has been polled at most timeout_steps times."""
+    """strict's liveness bound: a queued request has been polled at most timeout_steps
+    times (a variant without timeout: at most some W >= 1 times)."""
     bound = c.variant.timeout_steps
-    assert bound is not None, "bounded_wait needs a timeout"
+    if bound is None:           # no timeout: any bound W >= 1 (Ctx.wait_bound)
+        bound = c.wait_bound
     return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(s.inq(k, r), s.age(k, r) <= bound))
 
 

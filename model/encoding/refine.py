@@ -23,9 +23,11 @@ Two readings of the same action code are checked:
   except that the step on misaligned queues is disabled (an under-approximation: the
   counterexample search stops at the first divergence anyway).
 
-Pre-state functions are closures over tables (not declared symbols), so on the
-elements Z3's simplifier folds most guards and posts to constants; the solver is asked
-only where a quantifier or a fresh symbol remains (enqueue's choice, the step's MIN).
+Each action is built once per event over a pre-state of constants (one per function
+and element tuple, the rigid request data included); a state is pinned by substituting
+its values for them, so Z3's simplifier decides most guards and successors, and the
+solver is asked only where a quantifier or a fresh symbol remains (enqueue's choice, the
+step's MIN and alignment), once per distinct pinned formula.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import z3
 from z3.z3 import _to_expr_ref
 from z3.z3core import Z3_substitute
 
-from model.encoding.actions import Action, event_action
+from model.encoding.actions import event_action
 from model.encoding.solver import Solver
 from model.encoding.vocab import SIGNATURE, Ctx, Sizes, State, memo
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
@@ -85,6 +87,20 @@ def _symbolic_fn(ctx: Ctx, arg_sorts: Sequence[str], consts: dict[tuple[int, ...
         key = tuple(m.get(a.get_id()) for a, m in zip(args, ids))
         return consts[key] if None not in key else chain(*args)
     return f
+
+
+def describe_state(state: SystemState) -> str:
+    """A spec state in one line: what each rank holds (for mismatch reports)."""
+    def rank(k: int) -> str:
+        rs = state.ranks[k]
+        parts = [f"queue {rs.queue}", f"recv {rs.recv}", f"landed {rs.landed}"]
+        parts += [f"outcomes {rs.outcomes}"] if rs.outcomes else []
+        parts += [f"quarantined {sorted(rs.quarantined)}"] if rs.quarantined else []
+        parts += [f"fenced {sorted(rs.fenced)}"] if rs.fenced else []
+        parts += [f"free {rs.free}", f"rooms {rs.room_at}", f"payloads {rs.payload_at}"]
+        return f"rank{k}(" + ", ".join(parts) + ")"
+    reqs = ", ".join(f"{r}: room {q.room}" for r, q in sorted(state.requests.items()))
+    return f"requests {{{reqs}}} " + " ".join(rank(k) for k in range(len(state.ranks)))
 
 
 def view(state: SystemState, n_reqs: int) -> dict[tuple, Any]:
@@ -252,7 +268,7 @@ class Checker:
             self.report.events += 1
             problem = self._check_event(self._eval(ev), before, pinned, state, ev)
             if problem:
-                self.report.mismatches.append(f"{self.mode} {state.key()} {ev}: {problem}")
+                self.report.mismatches.append(f"{self.mode}: in {describe_state(state)}: {ev}: {problem}")
 
     def _agrees(self, e: _Eval, before: dict[tuple, Any], key: tuple, value: Any) -> Any:
         """True/False where known without Z3, else the formula (over the pre-state

@@ -173,6 +173,10 @@ class Ctx:
         self.axioms: list[z3.BoolRef] = []
         if isinstance(variant.timeout_steps, z3.ExprRef):    # a symbolic bound: any T >= 1
             self.axioms.append(variant.timeout_steps >= 1)
+        # The bound bounded_wait states for a variant without a timeout of its own (its
+        # negative row: no bound W >= 1 on the wait is inductive there).
+        self.wait_bound = z3.Int("wait_bound")
+        self.axioms.append(self.wait_bound >= 1)
         if sizes is not None:
             for name, n in (("Rank", sizes.ranks), ("Req", sizes.reqs), ("Slot", sizes.slots)):
                 self.elems[name] = [z3.IntVal(i) for i in range(n)]

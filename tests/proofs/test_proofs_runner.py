@@ -40,12 +40,15 @@ def test_every_broken_invariant_has_a_negative_unbounded_row_with_a_cti(suite):
     not inductive, each with a concrete counterexample to induction."""
     _, rows = suite
     cex = {(r["obligation"].split(":")[1], r["variant"]) for r in rows if r["obligation"].startswith("cex:")}
+    cex |= {("bounded_wait", r["variant"]) for r in rows
+            if r["obligation"] == "liveness:bounded_wait" and r["expected"] == "counterexample"}
     neg = {(r["obligation"].split(":")[1], r["variant"]): r for r in rows
            if r["obligation"].startswith("induction:")}
     assert set(neg) == cex
-    for r in neg.values():
+    for (inv, _), r in neg.items():
         assert r["result"] == "not inductive" and r["unbounded"]
         assert r["detail"].startswith("CTI with") and "| event " in r["detail"] and "| post " in r["detail"]
+        assert f"| breaks {inv}" in r["detail"], r["detail"]     # the post-state breaks it
 
 
 def test_refinement_and_consistency_rows_cover_every_variant(suite):
