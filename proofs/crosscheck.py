@@ -12,11 +12,11 @@ from model.spec.variants import VARIANTS
 # need. strict (no violation expected) has a small state space and gets the most room.
 SIZES: dict[str, list[dict[str, int]]] = {
     "strict": [dict(ranks=3, requests=3, steps=8, slots=1), dict(ranks=2, requests=2, steps=2, slots=2)],
-    # fences matter here (they release held slots), so the state space is larger; 4
+    # fences matter here (they release held slots), so the state space is larger; 3
     # steps hold every counterexample (the longest, a late write after a deferred slot
     # was released, takes 3)
-    "deferred-local": [dict(ranks=2, requests=2, steps=4, slots=1), dict(ranks=3, requests=1, steps=4, slots=1)],
-    "deferred": [dict(ranks=2, requests=2, steps=4, slots=1), dict(ranks=3, requests=1, steps=4, slots=1)],
+    "deferred-local": [dict(ranks=2, requests=2, steps=3, slots=1), dict(ranks=3, requests=1, steps=3, slots=1)],
+    "deferred": [dict(ranks=2, requests=2, steps=3, slots=1), dict(ranks=3, requests=1, steps=3, slots=1)],
 }
 DEFAULT_SIZES = [dict(ranks=2, requests=2, steps=8, slots=1), dict(ranks=3, requests=1, steps=8, slots=1)]
 LIVENESS_SIZE = dict(ranks=2, requests=1, steps=6, slots=1)   # enough steps to exceed the bound

@@ -12,7 +12,7 @@ labels only, so fixing their order loses no behaviour.
 Reductions, each keeping every invariant verdict and every shortest-path length (the
 tests compare them with a BFS that has none): ranks are interchangeable; a request
 failed on one rank has every rank's receiver value for it keyed as Failed; ages past
-every bound that reads them are capped; fences are skipped where the variant does not
+every bound that reads them are capped; fences are skipped where the variant neither defers release nor
 fence before reuse. Measured sizes and times: see the lead's report / bench.
 """
 from __future__ import annotations

@@ -70,7 +70,10 @@ def test_every_prove_trace_replays_on_real_ranks(tmp_path):
     reproduced = replay_and_check(paths)
     # the headline bugs of SGLang's history all reproduce on the real impl
     assert {("ungated", "queues_identical"), ("gate-noclear", "outcomes_agree"),
-            ("gate", "outcomes_agree"), ("gate", "no_corruption")} <= reproduced
+            ("gate", "outcomes_agree"), ("gate", "no_corruption"),
+            # SGLang 0.5.19-0.5.23: per-rank holds with local admission diverge the queues;
+            # agreed holds do not, but the late write after the release timeout remains
+            ("deferred-local", "queues_identical"), ("deferred", "outcomes_agree")} <= reproduced
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -130,3 +130,12 @@ def test_missing_and_empty_files_exit_2(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
     proc = validate(tmp_path, [""])
     assert proc.returncode == 2 and "empty trace" in proc.stderr
+
+
+@pytest.mark.parametrize("variant", ["deferred-local", "deferred", "strict-local-admission",
+                                     "strict-set-order", "strict-no-fence"])
+def test_every_variant_and_ablation_is_accepted_by_name(tmp_path, variant):
+    """The gate holds on rank 1 in every gated variant: the same step record."""
+    proc = validate(tmp_path, good_trace("gate"), "--variant", variant)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"OK: 1 steps match variant {variant}")
