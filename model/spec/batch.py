@@ -22,7 +22,7 @@ from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
 from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
-                                _require_live, _tables, _writes_done, apply)
+                                _require_live, _tables, apply, write_field)
 from model.spec.kvpoll import KVPoll
 from model.spec.state import PAYLOAD_BIT, ROOM_BIT, SystemState
 from model.spec.variants import Deferral
@@ -139,7 +139,6 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     _require_live(state)
     ranks = state.ranks
     n = len(ranks)
-    written = state.requests.get(req)
     room_after = state.variant.room_after_payload
     decode = _DECODE.get(n)
     if decode is None:
@@ -164,11 +163,4 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
                 or (room_after and bit == ROOM_BIT and not landed & PAYLOAD_BIT)):
             _land(state, k, req, ROOM if bit == ROOM_BIT else PAYLOAD)   # raises the refusal
             continue
-        slot = rs.slot_of[req]
-        if bit == ROOM_BIT:
-            rs.room_at[slot] = written.room
-        else:
-            rs.payload_at[slot] = written.payload
-        rs.landed[req] = landed | bit
-        if req in rs.outcomes:
-            _writes_done(state, rs, req)
+        write_field(state, rs, req, bit, landed)
