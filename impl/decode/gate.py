@@ -21,6 +21,11 @@ from model.spec.kvpoll import KVPoll
 from model.spec.variants import Variant, get_variant
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"     # SGLang's fake transfers: no metadata, no gate
+
+
+def is_fake_transfer(host: object, fake_backend: bool) -> bool:
+    """SGLang's ``_is_fake_transfer``: the fake host, or no host with the ``fake`` backend."""
+    return host == FAKE_BOOTSTRAP_HOST or (host is None and fake_backend)
 POLL_SET = frozenset(int(p) for p in KVPoll)
 _MAX_POLL = max(POLL_SET)
 _POLL_BYTES = bytes(sorted(POLL_SET))
@@ -289,5 +294,5 @@ def room_column_of(metadata_buffers: Any) -> torch.Tensor:
     return (room.view(torch.int64) if room.dtype == torch.uint64 else room.to(torch.int64))[:, 0]
 
 
-__all__ = ["FAKE_BOOTSTRAP_HOST", "TORCH", "Decision", "apply_metadata_gate", "check_polls",
+__all__ = ["FAKE_BOOTSTRAP_HOST", "is_fake_transfer", "TORCH", "Decision", "apply_metadata_gate", "check_polls",
            "decide_tensor", "gate_tensor", "gather_rooms", "resolve_variant", "rooms_tensor"]

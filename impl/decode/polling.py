@@ -36,7 +36,7 @@ import torch
 
 from impl.decode.collective import DEFAULT_TIMEOUT_S, GlooExchange, Message, agree_min, digest
 from impl.decode.errors import DecodeInputError, PeerAbortedStep, SlotOutOfRange
-from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, NUMPY, _all_ints, _is_int, gate_array,
+from impl.decode.gate import (NUMPY, _all_ints, _is_int, gate_array, is_fake_transfer,
                               numpy_ops_knowing, poll_bytes, resolve_variant, room_column_of,
                               rooms_tensor)
 from model.spec.kvpoll import KVPoll
@@ -127,14 +127,16 @@ def _build_queue(decode_reqs: Sequence[Any], buffers: Any,
     if bad.any():
         raise SlotOutOfRange(int(slots[int(np.argmax(bad))]), size)
     hosts = [d.req.bootstrap_host for d in reqs]
-    fake = [h == FAKE_BOOTSTRAP_HOST or (h is None and fake_host_none) for h in hosts]
+    fake = [is_fake_transfer(h, fake_host_none) for h in hosts]
     real = ~np.array(fake, dtype=bool) if any(fake) else None
     expected = expected_t.numpy()
     return _Queue(reqs, buffers, slots, expected, real, fingerprint,
                   numpy_ops_knowing(expected, 0))
 
 
-def _fake_backend(server_args: Any, transfer_backend: str | None) -> bool:
+def fake_backend(server_args: Any, transfer_backend: str | None) -> bool:
+    """Whether the transfer backend is ``fake``: the call's ``server_args`` when given,
+    else the configured ``transfer_backend``."""
     backend = getattr(server_args, "disaggregation_transfer_backend", None) \
         if server_args is not None else transfer_backend
     return backend == "fake"
@@ -205,7 +207,7 @@ def poll_and_all_reduce(pollers: Sequence[Any], gloo_group: Any, decode_reqs: Se
     sees what each call puts into the MIN (pdgate conform).
     """
     return _reduce([p.poll() for p in pollers], gloo_group, decode_reqs, metadata_buffers, variant, ages,
-                   capacity, timeout_s, exchange, _fake_backend(server_args, transfer_backend),
+                   capacity, timeout_s, exchange, fake_backend(server_args, transfer_backend),
                    trace)
 
 
@@ -239,5 +241,5 @@ def poll_and_all_reduce_with_staging(decode_reqs: Sequence[Any], staging_handler
         elif polls[i] == _SUCCESS and not staging_handler.is_done(d):
             polls[i] = _TRANSFERRING
     return _reduce(polls, gloo_group, decode_reqs, metadata_buffers, variant, ages,
-                   capacity, timeout_s, exchange, _fake_backend(server_args, transfer_backend),
+                   capacity, timeout_s, exchange, fake_backend(server_args, transfer_backend),
                    trace)

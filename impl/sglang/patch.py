@@ -108,11 +108,6 @@ class _Quarantine:
                 self._free_held(idx)
 
 
-def _is_fake(host: Any, fake_backend: bool) -> bool:
-    from impl.decode.gate import FAKE_BOOTSTRAP_HOST
-    return host == FAKE_BOOTSTRAP_HOST or (host is None and fake_backend)
-
-
 def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[..., list],
                                                                   Callable[..., list]]:
     """``poll_and_all_reduce`` and ``poll_and_all_reduce_with_staging`` with strict's
@@ -122,7 +117,7 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
     seen by any rank aborts the request on every rank (returned as Failed) instead of on
     that rank alone."""
     import torch
-    from impl.decode.gate import room_column_of
+    from impl.decode.gate import is_fake_transfer, room_column_of
     from model.spec.variants import get_variant
     variant = get_variant("strict", timeout_steps)
     success, failed = 4, 0
@@ -150,11 +145,10 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
                        server_args: Any) -> list:
         if decode_reqs is None or metadata_buffers is None:
             return reduced
-        fake_none = (getattr(server_args, "disaggregation_transfer_backend", None)
-                     if server_args is not None else
-                     release.server_args.disaggregation_transfer_backend) == "fake"
+        fake_none = polling.fake_backend(server_args,
+                                         release.server_args.disaggregation_transfer_backend)
         commits = [i for i, r in enumerate(reduced) if r == success
-                   and not _is_fake(decode_reqs[i].req.bootstrap_host, fake_none)]
+                   and not is_fake_transfer(decode_reqs[i].req.bootstrap_host, fake_none)]
         if not commits:          # the same on every rank: they all reduced the same vector
             return reduced
         col = room_column_of(metadata_buffers)
