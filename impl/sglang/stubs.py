@@ -44,13 +44,7 @@ class _StubMeta(type):
     """Class-level attribute reads on a stub make (and record) nested stubs."""
 
     def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        qual = f"{cls.__stub_name__}.{name}"
-        cls.__stub_recorder__.note(qual)
-        child = make_stub(qual, cls.__stub_recorder__)
-        setattr(cls, name, child)
-        return child
+        return _nested_stub(cls, cls.__stub_name__, cls.__stub_recorder__, name)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and callable(args[0]) and cls.__stub_name__:
@@ -80,6 +74,18 @@ class Stub(metaclass=_StubMeta):
         return Stub()
 
 
+def _nested_stub(owner: Any, prefix: str, recorder: Recorder, name: str) -> type:
+    """A read of ``owner.name`` (a stub class or module): recorded, answered by a new
+    stub class that is kept on the owner, so the next read finds it directly."""
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(name)
+    qual = f"{prefix}.{name}"
+    recorder.note(qual)
+    child = make_stub(qual, recorder)
+    setattr(owner, name, child)
+    return child
+
+
 def make_stub(qualname: str, recorder: Recorder) -> type:
     return _StubMeta(qualname.rsplit(".", 1)[-1], (Stub,),
                      {"__stub_name__": qualname, "__stub_recorder__": recorder})
@@ -94,13 +100,7 @@ class StubModule(types.ModuleType):
         self.__stub_recorder__ = recorder
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        qual = f"{self.__name__}.{name}"
-        self.__stub_recorder__.note(qual)
-        stub = make_stub(qual, self.__stub_recorder__)
-        setattr(self, name, stub)
-        return stub
+        return _nested_stub(self, self.__name__, self.__stub_recorder__, name)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
