@@ -12,9 +12,9 @@ releases, machine.py does the step, and when a request pops machine.py's per-ran
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
-``apply`` of KvDone / Fail / Land one by one, with the same refusals (it hands any event
-that would be refused to machine.py, which raises), minus an event object and a
-dispatch per event (also checked against apply in tests/spec/test_spec_batch.py).
+``apply`` of KvDone / Fail / Land one by one, through machine.py's own ``_latch`` and
+``_land`` (so the same rules and refusals), minus an event object and a dispatch per
+event (also checked against apply in tests/spec/test_spec_batch.py).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
 from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
-                                _require_live, _tables, apply, write_field)
+                                _require_live, _tables, apply)
 from model.spec.kvpoll import KVPoll
-from model.spec.state import PAYLOAD_BIT, ROOM_BIT, SystemState
+from model.spec.state import SystemState
 from model.spec.variants import Deferral
 
 _STEP = Step()
@@ -129,7 +129,6 @@ class Stepper:
 # deliver()'s event kinds (code = kind * ranks + rank)
 KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS = range(4)
 _LATCH = (int(KVPoll.Success), int(KVPoll.Failed))
-_SUCCESS, _FAILED = _LATCH
 _WHAT = ("kv_done", "fail")
 
 
@@ -137,9 +136,7 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     """``apply`` of each encoded event of request ``req`` in order (see the module doc);
     a refused event raises EventNotEnabled after the ones before it were performed."""
     _require_live(state)
-    ranks = state.ranks
-    n = len(ranks)
-    room_after = state.variant.room_after_payload
+    n = len(state.ranks)
     decode = _DECODE.get(n)
     if decode is None:
         decode = _DECODE[n] = tuple(divmod(c, n) for c in range(4 * n))
@@ -147,20 +144,7 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
         if not 0 <= code < 4 * n:
             raise EventNotEnabled(f"deliver: event code {code} is not one of 0..{4 * n - 1}")
         kind, k = decode[code]
-        rs = ranks[k]
         if kind < PAYLOAD_LANDS:
-            recv = rs.recv
-            current = recv.get(req)
-            # machine._latch's rule: latched, except a Failed overrides a Success
-            if current is None or current == _FAILED or (current == _SUCCESS and kind == KV_DONE):
-                _latch(state, k, req, _LATCH[kind], _WHAT[kind])   # raises the refusal
-                continue
-            recv[req] = _LATCH[kind]
-            continue
-        landed = rs.landed.get(req)
-        bit = ROOM_BIT if kind == ROOM_LANDS else PAYLOAD_BIT
-        if (landed is None or landed & bit or req in rs.fenced
-                or (room_after and bit == ROOM_BIT and not landed & PAYLOAD_BIT)):
-            _land(state, k, req, ROOM if bit == ROOM_BIT else PAYLOAD)   # raises the refusal
-            continue
-        write_field(state, rs, req, bit, landed)
+            _latch(state, k, req, _LATCH[kind], _WHAT[kind])
+        else:
+            _land(state, k, req, ROOM if kind == ROOM_LANDS else PAYLOAD)

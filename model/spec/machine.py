@@ -172,13 +172,6 @@ def _land(state: SystemState, rank: int, req: int, field: str) -> None:
     if state.variant.room_after_payload and bit == ROOM_BIT and not landed & PAYLOAD_BIT:
         raise EventNotEnabled(f"land: room of request {req} before its payload on rank "
                               f"{rank} (variant writes the room after the payload completed)")
-    write_field(state, rs, req, bit, landed)
-
-
-def write_field(state: SystemState, rs: RankState, req: int, bit: int, landed: int) -> None:
-    """An enabled Land: the field's value appears in the slot this rank gave ``req`` (which
-    may have been reused since: a late write), then whatever waited for it is released.
-    ``landed`` is the request's bitmask before this write."""
     written = state.requests[req]
     slot = rs.slot_of[req]
     if bit == ROOM_BIT:
