@@ -7,12 +7,11 @@ from typing import Any
 
 from dataclasses import replace
 
-from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS
 from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
-from sim.engine import RunData, Simulation, resolve_variant, trace_name
+from sim.engine import RunData, Simulation, trace_writer, traced_variant
 from sim.hazard import HAZARD_COLUMNS, hazard_line, summarize_hazard
 from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int
@@ -56,7 +55,8 @@ def ideal_config(cfg: SimConfig) -> SimConfig:
     """The reference for the gate's cost: ungated with every metadata row visible the
     moment its KV lands (so it cannot diverge), on the same draws otherwise."""
     zero = parse_dist("const:0", "--metadata-lag")
-    return replace(cfg, variant="ungated", timeout_steps=None, no_clear=False,
+    return replace(cfg, variant="ungated", timeout_steps=None, gate_timeout_s=None,
+                   release_timeout_s=None, no_clear=False,
                    metadata_lag=(zero,) * cfg.ranks, lost_metadata_prob=0.0, late_write=None)
 
 
@@ -72,18 +72,13 @@ def simulate_one(args: argparse.Namespace, variant: str, seed: int, trace_path: 
         workload = build_workload(args, args.rate, seed)
     if trace_path is None:
         return Simulation(cfg, workload, record_spans=record).run()
-    v = resolve_variant(cfg)
-    name = trace_name(v)
-    if name is None:
-        raise SimInputError(f"--trace: variant {variant} with --no-clear is not a named variant, "
-                            f"so pdgate validate could not replay it")
+    traced_variant(cfg)             # refused before the file is created
     try:
         fp = open(trace_path, "w", encoding="utf-8")
     except OSError as exc:
         raise SimInputError(f"--trace: cannot write {trace_path}: {exc.strerror}") from None
     with fp:
-        writer = TraceWriter(fp, name, cfg.ranks, cfg.n_slots(), f"pdgate simulate seed={seed}",
-                             v.timeout_steps, workload=workload.source)
+        writer = trace_writer(fp, cfg, f"pdgate simulate seed={seed}", workload=workload.source)
         return Simulation(cfg, workload, trace=writer, record_spans=record).run()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from model.spec.timeouts import STEP_FLOOR_S
 from sim.dists import Dist, parse_dist
 from sim.errors import SimInputError
 
@@ -37,7 +38,13 @@ class SimConfig:
     ranks: int = 8
     request_pool: int = 64                 # max running + transferring requests
     slots: int | None = None               # metadata slots per rank; SGLang: 2 x request pool
-    timeout_steps: int | None = None       # strict's bound (None: engine.DEFAULT_TIMEOUT_STEPS)
+    # Timeouts in seconds of simulated time, converted to agreed step counts as a deployed
+    # worker converts them (model.spec.timeouts: steps of at least timeout_step_floor_ms).
+    # None: the deployable default (30 s) where the variant has that timeout.
+    gate_timeout_s: float | None = None    # strict's gate timeout
+    release_timeout_s: float | None = None  # the deferred variants' release timeout
+    timeout_step_floor_ms: float = STEP_FLOOR_S * 1000
+    timeout_steps: int | None = None       # strict's count given directly (not with gate_timeout_s)
     no_clear: bool = False                 # reuse slots without zeroing the room (any variant)
     seed: int = 0
     # decode scheduler step: all-reduce (alpha + beta * n) then a forward pass
@@ -96,6 +103,8 @@ class SimConfig:
              f"{self.n_slots()} slots x {self.ranks} ranks is over {MAX_SLOT_ROWS} metadata rows")
         need(self.timeout_steps is None or self.timeout_steps >= 1, "--timeout-steps",
              f"must be >= 1, got {self.timeout_steps}")
+        need(math.isfinite(self.timeout_step_floor_ms) and self.timeout_step_floor_ms > 0,
+             "--timeout-step-floor", f"must be a finite number of ms > 0, got {self.timeout_step_floor_ms}")
         for flag, val in (("--allreduce-alpha", self.allreduce_alpha_ms),
                           ("--allreduce-beta", self.allreduce_beta_ms),
                           ("--prefill-base", self.prefill_base_ms),

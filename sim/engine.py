@@ -33,7 +33,8 @@ from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting
                                 kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
-from model.spec.variants import VARIANTS, Variant, get_variant
+from model.spec.timeouts import deployed_variant
+from model.spec.variants import VARIANTS, Variant
 from sim.checks import step_violations
 from sim.config import SimConfig
 from sim.draws import Draws, StepTimes, draw, stream
@@ -49,34 +50,48 @@ FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
 
 
-# strict's bound when --timeout-steps is not given. The spec's own default (4 steps) sizes
-# the proofs' small models; a simulated worker steps every 1-25 ms, so 4 steps would abort
-# healthy requests whose KV transfer outlasts a few idle steps. 1,000 steps is 1-25 s.
-DEFAULT_TIMEOUT_STEPS = 1000
+TIMEOUT_FLAGS = ("--gate-timeout-s", "--timeout-steps", "--release-timeout-s")
 
 
 def resolve_variant(cfg: SimConfig) -> Variant:
-    """The spec variant by name, with the timeout and no-clear overrides applied."""
-    base = VARIANTS.get(cfg.variant)
-    if base is None:
+    """The spec variant by name with its timeouts converted from seconds as a deployed
+    worker converts them (30 s by default: the proofs' small bounds would abort healthy
+    requests), and the no-clear override applied."""
+    if cfg.variant not in VARIANTS:
         raise SimInputError(f"--variant: unknown variant {cfg.variant!r} (known: {', '.join(VARIANTS)})")
-    steps = cfg.timeout_steps
-    if steps is None and base.timeout_steps is not None:
-        steps = DEFAULT_TIMEOUT_STEPS
     try:
-        v = get_variant(cfg.variant, steps)      # the spec refuses a timeout gate lacks
-    except ValueError as exc:
-        raise SimInputError(f"--timeout-steps: {exc}") from None
+        v = deployed_variant(cfg.variant, cfg.timeout_steps, cfg.gate_timeout_s,
+                             cfg.release_timeout_s, cfg.timeout_step_floor_ms / 1000, TIMEOUT_FLAGS)
+    except ValueError as exc:       # the spec refuses a timeout the variant lacks
+        raise SimInputError(str(exc)) from None
     return replace(v, clear_on_free=False) if cfg.no_clear else v
 
 
 def trace_name(v: Variant) -> str | None:
     """The named variant a trace header can carry for ``v`` (None if it has none)."""
     for name, named in VARIANTS.items():
-        if replace(named, name=v.name, timeout_steps=v.timeout_steps) == v and (
-                (named.timeout_steps is None) == (v.timeout_steps is None)):
+        if replace(named, name=v.name, timeout_steps=v.timeout_steps,
+                   release_timeout_steps=v.release_timeout_steps) == v:
             return name
     return None
+
+
+def traced_variant(cfg: SimConfig) -> tuple[str, Variant]:
+    """The name a trace header gives cfg's variant, and the variant; refused if it has none."""
+    v = resolve_variant(cfg)
+    name = trace_name(v)
+    if name is None:
+        raise SimInputError(f"--trace: variant {cfg.variant} with --no-clear is not a named variant, "
+                            f"so pdgate validate could not replay it")
+    return name, v
+
+
+def trace_writer(fp: Any, cfg: SimConfig, source: str, **extra: Any) -> TraceWriter:
+    """A writer whose header carries what ``pdgate validate`` needs to replay the run:
+    the named variant and its step counts (strict's timeout, the release timeout)."""
+    name, v = traced_variant(cfg)
+    return TraceWriter(fp, name, cfg.ranks, cfg.n_slots(), source, v.timeout_steps,
+                       v.release_timeout_steps, **extra)
 
 
 def _refused(exc: EventNotEnabled) -> None:

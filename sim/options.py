@@ -110,7 +110,15 @@ def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
     c.add_argument("--request-pool", type=positive_int, default=64,
                    help="max requests transferring or running")
     c.add_argument("--slots", type=positive_int, help="metadata slots per rank (default 2 x pool)")
-    c.add_argument("--timeout-steps", type=positive_int, help="strict's timeout in protocol steps (default 1000)")
+    c.add_argument("--gate-timeout-s", type=positive_float, metavar="S",
+                   help="strict's gate timeout in simulated seconds (default 30), converted to an "
+                        "agreed step count as a deployed worker does (see --timeout-step-floor)")
+    c.add_argument("--timeout-steps", type=positive_int, metavar="N",
+                   help="strict's timeout as a step count instead of --gate-timeout-s")
+    c.add_argument("--release-timeout-s", type=positive_float, metavar="S",
+                   help="the deferred variants' release timeout in seconds (default 30)")
+    c.add_argument("--timeout-step-floor", type=positive_float, default=1.0, metavar="MS",
+                   help="the shortest scheduler step the seconds-to-steps conversion assumes (ms)")
     f = p.add_argument_group("faults")
     f.add_argument("--fail-prob", type=probability, default=0.0,
                    help="per request: one rank's transfer fails")
@@ -145,15 +153,19 @@ def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[s
                  seed: int, several: bool = False) -> SimConfig:
     """A validated SimConfig from the flags (variant, ranks, lag and seed given apart
     because --compare and the sweep vary them). With ``several`` variants,
-    --timeout-steps applies to those that have a timeout."""
+    the timeout flags apply to those that have that timeout."""
     if not 1 <= ranks <= MAX_RANKS:
         raise SimInputError(f"--ranks: must be in 1..{MAX_RANKS}, got {ranks}")
-    timeout = args.timeout_steps
-    if several and variant in VARIANTS and VARIANTS[variant].timeout_steps is None:
-        timeout = None
+    base = VARIANTS.get(variant)
+    gate = args.gate_timeout_s, args.timeout_steps
+    release = args.release_timeout_s
+    if several and base is not None:
+        gate = gate if base.timeout_steps is not None else (None, None)
+        release = release if base.release_timeout_steps is not None else None
     cfg = SimConfig(
         variant=variant, ranks=ranks, request_pool=args.request_pool, slots=args.slots,
-        timeout_steps=timeout, no_clear=args.no_clear, seed=seed,
+        gate_timeout_s=gate[0], timeout_steps=gate[1], release_timeout_s=release,
+        timeout_step_floor_ms=args.timeout_step_floor, no_clear=args.no_clear, seed=seed,
         forward=parse_dist(args.forward, "--forward"),
         idle_step=parse_dist(args.idle_step, "--idle-step"),
         allreduce_alpha_ms=args.allreduce_alpha, allreduce_beta_ms=args.allreduce_beta,

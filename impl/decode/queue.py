@@ -21,11 +21,11 @@ from impl.decode.errors import (CollectiveLengthMismatch, DecodeInputError, Dupl
 from impl.decode.gate import (FAKE_BOOTSTRAP_HOST, check_polls, decide_tensor, gate_array,
                               gate_tensor, may_pop, numpy_ops_knowing, poll_bytes,
                               resolve_variant)
-from impl.decode.timeouts import GATE_TIMEOUT_S, RELEASE_TIMEOUT_S, STEP_FLOOR_S, steps_for
+from model.spec.timeouts import STEP_FLOOR_S, deployed_variant
 from impl.decode.trace import StepTrace, Tracer
 from model.spec.kernel import Decision
 from model.spec.kvpoll import KVPoll
-from model.spec.variants import Admission, Deferral, FreeOrder, Variant, get_variant
+from model.spec.variants import Admission, Deferral, FreeOrder, Variant
 
 
 @runtime_checkable
@@ -97,27 +97,13 @@ def _abort_acknowledged(receiver: Any) -> bool:
 
 def _deployed_variant(variant: str | Variant, timeout_steps: int | None, timeout_s: float | None,
                       release_timeout_s: float | None, step_floor_s: float) -> Variant:
-    """A variant by name gets its timeouts from seconds (impl.decode.timeouts: 30 s by
-    default, never the proofs' small bounds); ``timeout_steps`` sets strict's count
-    directly. A Variant object (a trace's own) is used as given."""
+    """A variant by name gets its timeouts from seconds (model.spec.timeouts); a Variant
+    object (a trace's own) is used as given."""
     if isinstance(variant, Variant):
         if timeout_s is not None or release_timeout_s is not None:
             raise ValueError("timeout_s / release_timeout_s apply to a variant given by name")
         return resolve_variant(variant)
-    base = get_variant(variant)
-    if timeout_steps is not None and timeout_s is not None:
-        raise ValueError("give strict's timeout as timeout_s or as timeout_steps, not both")
-    if base.timeout_steps is None and timeout_s is not None:
-        raise ValueError(f"variant {variant!r} has no timeout to override")
-    if base.release_timeout_steps is None and release_timeout_s is not None:
-        raise ValueError(f"variant {variant!r} has no release timeout to override")
-    if base.timeout_steps is not None and timeout_steps is None:
-        timeout_steps = steps_for(GATE_TIMEOUT_S if timeout_s is None else timeout_s, step_floor_s)
-    release = None
-    if base.release_timeout_steps is not None:
-        release = steps_for(RELEASE_TIMEOUT_S if release_timeout_s is None else release_timeout_s,
-                            step_floor_s)
-    return resolve_variant(variant, timeout_steps, release)
+    return deployed_variant(variant, timeout_steps, timeout_s, release_timeout_s, step_floor_s)
 
 
 @dataclass

@@ -5,11 +5,10 @@ import io
 
 import numpy as np
 
-from model.spec.trace import TraceWriter
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.draws import stream
-from sim.engine import RunData, Simulation, resolve_variant, trace_name
+from sim.engine import RunData, Simulation, trace_writer
 from sim.workload import Workload, synthetic
 
 
@@ -37,8 +36,7 @@ def run(cfg: SimConfig, wl: Workload | None = None, traced: bool = False) -> tup
     if not traced:
         return Simulation(cfg, wl).run(), ""
     buf = io.StringIO()
-    v = resolve_variant(cfg)
-    writer = TraceWriter(buf, trace_name(v), cfg.ranks, cfg.n_slots(), "test", v.timeout_steps)
+    writer = trace_writer(buf, cfg, "test")
     data = Simulation(cfg, wl, trace=writer).run()
     return data, buf.getvalue()
 

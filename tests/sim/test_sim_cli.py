@@ -111,6 +111,12 @@ BAD = [
     (["--variant", "nope"], "--variant"),
     (["--compare", "gate,nope"], "--compare"),
     (["--timeout-steps", "3"], "--timeout-steps"),          # gate has no timeout
+    (["--gate-timeout-s", "3"], "--gate-timeout-s"),
+    (["--release-timeout-s", "3"], "--release-timeout-s"),  # only the deferred variants
+    (["--variant", "strict", "--gate-timeout-s", "3", "--timeout-steps", "4"], "--gate-timeout-s"),
+    (["--variant", "strict", "--gate-timeout-s", "1e300"], "--gate-timeout-s"),
+    (["--variant", "strict", "--gate-timeout-s", "inf"], "--gate-timeout-s"),
+    (["--variant", "strict", "--timeout-step-floor", "0"], "--timeout-step-floor"),
     (["--stall", "9:0:10"], "--stall"),
     (["--lag-skew", "1,2"], "--lag-skew"),
     (["--trace-in", "/nonexistent/x.jsonl"], "--trace-in"),
