@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
-from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
+from model.spec.machine import (_NO_DEFERRAL, EventNotEnabled, StepPops, _land, _latch, _pop,
                                 _require_live, _tables, apply)
 from model.spec.kvpoll import KVPoll
 from model.spec.state import SystemState
-from model.spec.variants import Deferral
 
 _STEP = Step()
 _NO_POPS: dict[int, tuple[tuple, ...]] = {}     # ranks -> ((),) * ranks
@@ -52,7 +51,7 @@ def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
     request was kept (else None)."""
     ranks = state.ranks
     queue = ranks[0].queue
-    if state.variant.defer_failed is not Deferral.NONE:   # held slots count steps: general code
+    if state.variant.defer_failed is not _NO_DEFERRAL:   # held slots count steps: general code
         return apply(state, _STEP, detail=False), None
     for rs in ranks:
         if rs.queue != queue:            # a MIN over different requests: the general code
@@ -81,18 +80,15 @@ def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
     step_no = state.steps
     state.steps += 1
     if popping:
-        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks)), None
-    return _all_kept(state, queue, reduced, step_no), reduced
+        return StepPops(step_no, tuple(_pop(state, ranks, reduced, pop))), None
+    return _all_kept(state, reduced, step_no), reduced
 
 
-def _all_kept(state: SystemState, queue: list[int], reduced: list[int], step_no: int) -> StepPops:
-    """_pop's every-request-kept case on every rank: only the ages move."""
+def _all_kept(state: SystemState, reduced: list[int], step_no: int) -> StepPops:
+    """_pop's every-request-kept case on every rank (only the ages move), with the
+    step's record shared between steps."""
     ranks = state.ranks
-    for rs in ranks:
-        age = rs.age
-        for red, r in zip(reduced, queue):
-            if red >= _AGES_FROM:
-                age[r] += 1
+    _pop(state, ranks, reduced, None)
     empty = _NO_POPS.get(len(ranks))
     if empty is None:
         empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
@@ -120,7 +116,7 @@ class Stepper:
                     timeout is None or all(rs.age[r] < timeout for rs in state.ranks for r in queue)):
                 step_no = state.steps
                 state.steps += 1
-                return _all_kept(state, queue, reduced, step_no)
+                return _all_kept(state, reduced, step_no)
         rec, reduced = _step(state)
         self._kept = None if reduced is None else (state.ranks[0].queue, len(reduced), reduced)
         return rec
