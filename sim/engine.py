@@ -180,7 +180,8 @@ class Simulation:
         self.peak_in_flight = 0
         self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
         # (arrived is counted lazily, by _finish)
-        self.arrivals = workload.arrival_ms
+        self.arrivals = workload.arrival_ms.tolist()   # sorted: bisect, no numpy call per finish
+        self.output_len = workload.output_len.tolist()
         self.pending = 1          # prefill completions still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
@@ -216,28 +217,28 @@ class Simulation:
             for ev in events:
                 self.trace.event(ev, now)
 
-    def _prefill_plan(self) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill_plan(self) -> tuple[list[float], list[int]]:
         """Prefill completion times and requests, in completion order. Prefill depends
         on nothing the decode side does (FIFO servers, fixed durations), so it is planned
         up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
         done = np.empty(len(self.wl))
-        for i, (t, dur) in enumerate(zip(self.arrivals.tolist(), self.d.prefill_ms.tolist())):
+        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
             end = max(t, heapq.heappop(servers)) + dur
             heapq.heappush(servers, end)
             done[i] = end
         order = np.argsort(done, kind="stable")
-        return done[order], order
+        return done[order].tolist(), order.tolist()     # lists: a bisect and a slice per completion
 
     def _prefilled(self, pos: int) -> None:
         """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
         times, reqs = self.plan
         now, end = times[pos], len(times)
-        stop = int(np.searchsorted(times, now, side="right"))
-        self.prealloc.extend(reqs[pos:stop].tolist())
+        stop = bisect_right(times, now, pos)
+        self.prealloc.extend(reqs[pos:stop])
         pos = stop
         if pos < end:
-            _At(self.env, float(times[pos]) - self.env.now, self._prefilled, pos)
+            _At(self.env, times[pos] - self.env.now, self._prefilled, pos)
         self._admit(self.env.now)
         if pos == end:
             self._settle()
@@ -250,7 +251,7 @@ class Simulation:
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        k = self.arrived = int(np.searchsorted(self.arrivals, now, side="right"))
+        k = self.arrived = bisect_right(self.arrivals, now)
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -574,7 +575,7 @@ class Simulation:
             if dec == _COMMIT:
                 self.write_end.pop(r, None)      # a commit gets no fence
                 self.commit_ms[r] = now
-                heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
+                heapq.heappush(self.running, (self.decode_steps + self.output_len[r], r))
             else:
                 self.in_pool -= 1
                 self._finish(now)
@@ -607,8 +608,8 @@ class Simulation:
     def run(self) -> RunData:
         env = self.env
         self.plan = self._prefill_plan()
-        if len(self.plan[0]):
-            _At(env, float(self.plan[0][0]), self._prefilled, 0)
+        if self.plan[0]:
+            _At(env, self.plan[0][0], self._prefilled, 0)
         else:
             self._settle()
         proc = env.process(self._scheduler())
