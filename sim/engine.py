@@ -33,7 +33,7 @@ from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting
                                 kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
-from model.spec.variants import VARIANTS, Variant, get_variant
+from model.spec.variants import VARIANTS, Admission, Variant, get_variant
 from sim.checks import step_violations
 from sim.config import SimConfig
 from sim.draws import Draws, StepTimes, draw, stream
@@ -203,6 +203,8 @@ class Simulation:
         self.cut_short: str | None = None      # why the run stopped before every request was decided
         self.wall_limit_s = wall_limit_s
         self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
+        # only local admission can leave a rank without the request (machine.admitting)
+        self.local_admission = self.variant.admission is not Admission.AGREED
 
     # -- environment events ------------------------------------------------------------
     def _env_events(self, events: list[Any], now: float) -> None:
@@ -271,12 +273,15 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _layout(self, c: int) -> tuple[np.ndarray, list[bytes], list[int], list[list[float]],
+                                       list[float | None]]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
-        with numpy: event times sorted per request (absent events last, at +inf), their
-        codes, the count of real events, the last write per rank (-inf: none) and the
-        latest KV completion. Without stalls an event's time is enqueue + offset, and
-        adding the same number keeps the order, so the order is known up front."""
+        with numpy: event times sorted per request (absent events last, at +inf); per
+        request, as Python objects (so that an enqueue does no numpy scalar work): its real
+        events' codes as int64 bytes, their count, the last write per rank (-inf: none)
+        and the latest KV completion (None where a transfer fails). Without stalls an
+        event's time is enqueue + offset, and adding the same number keeps the order, so
+        the order is known up front."""
         cached = self.layouts.get(c)
         if cached is not None:
             return cached
@@ -295,8 +300,10 @@ class Simulation:
         order = np.lexsort((codes, rel))
         rel = np.take_along_axis(rel, order, axis=1)
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
-        count = np.isfinite(rel).sum(axis=1)
-        out = (rel, codes, count, np.where(meta, room, -math.inf), xfer.max(axis=1))
+        count = np.isfinite(rel).sum(axis=1).tolist()
+        code_rows = [row[:m].tobytes() for row, m in zip(codes, count)]
+        kv_all = [None if f >= 0 else kv for f, kv in zip(fr.tolist(), xfer.max(axis=1).tolist())]
+        out = (rel, code_rows, count, np.where(meta, room, -math.inf).tolist(), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -309,16 +316,15 @@ class Simulation:
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, last, kv_max = self._layout(i // CHUNK)
-            m = int(count[j])
+            rel, codes, count, last, kv_all = self._layout(i // CHUNK)
             tl = _Timeline(i, (), ())
-            tl.times.frombytes((now + rel[j, :m]).tobytes())
-            tl.codes.frombytes(codes[j, :m].tobytes())
-            self.write_end[i] = (now, last[j].tolist())
-            if ch.fail_rank[j] < 0:
-                self.kv_all_ms[i] = now + kv_max[j]
+            tl.times.frombytes((now + rel[j, :count[j]]).tobytes())
+            tl.codes.frombytes(codes[j])
+            self.write_end[i] = (now, last[j])
+            if kv_all[j] is not None:
+                self.kv_all_ms[i] = now + kv_all[j]
         ranks = self.state.ranks
-        if any(i not in rs.recv for rs in ranks):     # local admission left some ranks out
+        if self.local_admission and any(i not in rs.recv for rs in ranks):   # some ranks left out
             keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
             tl = _Timeline(i, [tl.times[j] for j in keep], [tl.codes[j] for j in keep])
             if not keep:
