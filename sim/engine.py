@@ -500,6 +500,7 @@ class Simulation:
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
         eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        prealloc = self.prealloc
         stepper = Stepper(state)
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
@@ -556,17 +557,20 @@ class Simulation:
             # A decode step; with an empty transfer queue several run back to back (no
             # protocol step between them) until something is due or a request enqueues.
             nxt = env.peek() if not (queued or eager) else t
+            done = self.decode_steps      # a local in this hot loop (nothing it calls reads it)
+            rank0 = ranks[0]
             while True:
-                self.decode_steps += 1
-                while running and running[0][0] <= self.decode_steps:
+                done += 1
+                while running and running[0][0] <= done:
                     heapq.heappop(running)
                     self.in_pool -= 1
                     self._finish(t)
-                if self.prealloc:
+                if prealloc:
                     self._admit(t)
                 t += forward.next() if running else idle.next()
-                if t >= nxt or not running or ranks[0].queue:
+                if t >= nxt or not running or rank0.queue:
                     break
+            self.decode_steps = done
         self.end_ms = t
 
     def _record_pops(self, rec: StepRecord | StepPops, now: float) -> int:
@@ -575,6 +579,7 @@ class Simulation:
         if not popped[0]:       # the checks passed, so every rank popped the same: nothing
             return 0
         d = self.d
+        aborted = False
         for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
@@ -583,13 +588,16 @@ class Simulation:
                 self.commit_ms[r] = now
                 heapq.heappush(self.running, (self.decode_steps + self.output_len[r], r))
             else:
+                aborted = True
                 self.in_pool -= 1
                 self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend(r for r, _, _ in popped[0])
+        self.to_forget.extend([r for r, _, _ in popped[0]])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
+        if not aborted and popped.count(popped[0]) == len(popped):
+            return len(popped[0])        # commits only, on every rank: no fence to wait for
         for k, rank_popped in enumerate(popped):
             rs = self.state.ranks[k]
             for r, dec, _ in rank_popped:
