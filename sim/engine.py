@@ -29,8 +29,8 @@ from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Step
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, fail, forget,
-                                kv_done, land)
+from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, enqueue, fail,
+                                forget, kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.variants import VARIANTS, Admission, Variant, get_variant
@@ -311,7 +311,14 @@ class Simulation:
 
     def _enqueue(self, i: int, now: float) -> None:
         ch, j = self.d.row(i)
-        self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
+        if self.trace is None:       # the spec's transition, minus an event object
+            try:
+                enqueue(self.state, i, ch.room[j], ch.payload[j])
+            except EventNotEnabled as exc:
+                _refused(exc)
+            self.since_poll += 1
+        else:
+            self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
         self.in_pool += 1
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)

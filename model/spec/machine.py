@@ -143,23 +143,23 @@ def admitting(state: SystemState) -> list[int]:
     return has_room
 
 
-def _enqueue(state: SystemState, ev: Enqueue) -> None:
-    if ev.req in state.requests:
-        raise EventNotEnabled(f"enqueue: request {ev.req} was already enqueued")
+def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+    if req in state.requests:
+        raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
     takers = admitting(state)
     if not takers:
         full = next(k for k, rs in enumerate(state.ranks) if not rs.free)
         raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
-    state.requests[ev.req] = Request(ev.room, ev.payload)
+    state.requests[req] = Request(room, payload)
     ranks = state.ranks
     for k in takers:
         rs = ranks[k]
         slot = rs.free.pop(0)
-        rs.queue.append(ev.req)
-        rs.recv[ev.req] = WAITING
-        rs.age[ev.req] = 0
-        rs.slot_of[ev.req] = slot
-        rs.landed[ev.req] = 0
+        rs.queue.append(req)
+        rs.recv[req] = WAITING
+        rs.age[req] = 0
+        rs.slot_of[req] = slot
+        rs.landed[req] = 0
 
 
 def _land(state: SystemState, rank: int, req: int, field: str) -> None:
@@ -363,7 +363,7 @@ _fail = _receiver(KVPoll.Failed, "fail")
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
 # Each unpacks its event and calls the one implementation of its transition.
 _ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
-    Enqueue: _enqueue,
+    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload),
     KvDone: lambda state, ev: _kv_done(state, ev.rank, ev.req),
     Fail: lambda state, ev: _fail(state, ev.rank, ev.req),
     Land: lambda state, ev: _land(state, ev.rank, ev.req, ev.field),
@@ -392,6 +392,13 @@ def apply(state: SystemState, event: Event, *, detail: bool = True) -> StepRecor
             handler(state, event)
             return None
     raise EventNotEnabled(f"unknown event {event!r}")
+
+
+def enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+    """``apply(state, Enqueue(req, room, payload))`` without building the event (as
+    ``kv_done``)."""
+    _require_live(state)
+    _enqueue(state, req, room, payload)
 
 
 def kv_done(state: SystemState, rank: int, req: int) -> None:
