@@ -113,9 +113,8 @@ def _release(state: SystemState, rs: RankState, req: int, decision: int | None =
     if decision == _ABORT_FAILED and v.defer_failed is not _NO_DEFERRAL:
         rs.held[req] = 0
         return
-    pending = rs.landed[req] != ALL_FIELDS and req not in rs.fenced
-    if v.fence_before_reuse and pending:
-        rs.quarantined.add(req)
+    if v.fence_before_reuse and rs.landed[req] != ALL_FIELDS and req not in rs.fenced:
+        rs.quarantined.add(req)         # writes still pending: the slot waits for them
     else:
         _free_slot(state, rs, req)
     _forget_if_done(rs, req)
