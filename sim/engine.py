@@ -506,7 +506,8 @@ class Simulation:
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
-        eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        eager, running = self.eager, self.running
+        forward, idle = self.forward.next, self.idle.next      # a decode step's duration
         prealloc = self.prealloc
         stepper = Stepper(state)
         t = env.now                          # the scheduler's clock (>= SimPy's)
@@ -574,7 +575,7 @@ class Simulation:
                     self._finish(t)
                 if prealloc:
                     self._admit(t)
-                t += forward.next() if running else idle.next()
+                t += forward() if running else idle()
                 if t >= nxt or not running or rank0.queue:
                     break
             self.decode_steps = done
