@@ -7,8 +7,9 @@ ranks with the kernel's tables (``kernel.gate_table`` / ``pop_table``), instead 
 list per rank and a ``min_reduce`` over them, and it does no per-rank work beyond the
 age count when the MIN keeps every request (most steps). Whenever the ranks' queues
 differ (a divergence in the making, or local admission) or the variant defers slot
-releases, machine.py does the step, and when a request pops machine.py's per-rank
-``_pop`` decides and releases, so the pop and release rules have one implementation.
+releases, machine.py does the step. The pops (and the ages of the kept) are machine.py's
+``_pop`` over the group of every rank, the function ``apply`` runs on each rank alone,
+so the pop and release rules have one implementation.
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
