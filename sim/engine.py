@@ -109,7 +109,8 @@ class _Timeline:
     them at their times (keeps memory per request small)."""
     __slots__ = ("req", "times", "codes", "pos", "due", "lazy")
 
-    def __init__(self, req: int, times: Sequence[float], codes: Sequence[int]):
+    def __init__(self, req: int, times: Sequence[float] | bytes, codes: Sequence[int] | bytes):
+        # (bytes: the machine's float64 / int64 values, which array() takes as they are)
         self.req, self.times, self.codes, self.pos = req, array("d", times), array("q", codes), 0
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
         self.lazy = False
@@ -324,9 +325,7 @@ class Simulation:
             tl = self._timeline_of(i, now)
         else:
             rel, codes, count, last, kv_all = self._layout(i // CHUNK)
-            tl = _Timeline(i, (), ())
-            tl.times.frombytes((now + rel[j, :count[j]]).tobytes())
-            tl.codes.frombytes(codes[j])
+            tl = _Timeline(i, (now + rel[j, :count[j]]).tobytes(), codes[j])
             self.write_end[i] = (now, last[j])
             if kv_all[j] is not None:
                 self.kv_all_ms[i] = now + kv_all[j]
