@@ -147,9 +147,10 @@ def _before_cpu(tree: str, name: str, n: int, sample: str) -> float:
 
 
 def _throughput(quick: bool) -> dict:
-    """Requests per wall second (best of 3, or 2 with --quick), fast vs eager schedule
-    (and PDGATE_BENCH_BEFORE's tree, see the module doc) interleaved in the same run, so
-    load changes hit all; the ratios from CPU time (less noisy when shared)."""
+    """Requests per wall second (best of 5, or 2 with --quick: a Mooncake run takes ~0.1
+    s, and single runs on a shared machine vary by up to 2x), fast vs eager schedule (and
+    PDGATE_BENCH_BEFORE's tree, see the module doc) interleaved in the same run, so load
+    changes hit all; the ratios from CPU time (less noisy when shared)."""
     import os
     from pathlib import Path
     from sim.workload import load_trace
@@ -164,7 +165,7 @@ def _throughput(quick: bool) -> dict:
         walls: dict[bool, list[float]] = {False: [], True: []}
         cpus: dict[bool, list[float]] = {False: [], True: []}
         before_cpus: list[float] = []
-        for _ in range(2 if quick else 3):
+        for _ in range(2 if quick else 5):
             for eager in (False, True):
                 sim = Simulation(cfg, wl, eager=eager)
                 t0, c0 = time.perf_counter(), time.process_time()
