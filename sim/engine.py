@@ -274,15 +274,16 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[np.ndarray, list[bytes], list[int], list[list[float]],
+    def _layout(self, c: int) -> tuple[np.ndarray, list[bytes], list[int], np.ndarray,
                                        list[float | None]]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
         with numpy: event times sorted per request (absent events last, at +inf); per
         request, as Python objects (so that an enqueue does no numpy scalar work): its real
-        events' codes as int64 bytes, their count, the last write per rank (-inf: none)
-        and the latest KV completion (None where a transfer fails). Without stalls an
-        event's time is enqueue + offset, and adding the same number keeps the order, so
-        the order is known up front."""
+        events' codes as int64 bytes, their count and the latest KV completion (None where
+        a transfer fails); the last write per rank (-inf: none) stays an array (as Python
+        lists, the 4 chunks kept would cost ~250 bytes per request in flight). Without
+        stalls an event's time is enqueue + offset, and adding the same number keeps the
+        order, so the order is known up front."""
         cached = self.layouts.get(c)
         if cached is not None:
             return cached
@@ -304,7 +305,7 @@ class Simulation:
         count = np.isfinite(rel).sum(axis=1).tolist()
         code_rows = [row[:m].tobytes() for row, m in zip(codes, count)]
         kv_all = [None if f >= 0 else kv for f, kv in zip(fr.tolist(), xfer.max(axis=1).tolist())]
-        out = (rel, code_rows, count, np.where(meta, room, -math.inf).tolist(), kv_all)
+        out = (rel, code_rows, count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -326,7 +327,7 @@ class Simulation:
         else:
             rel, codes, count, last, kv_all = self._layout(i // CHUNK)
             tl = _Timeline(i, (now + rel[j, :count[j]]).tobytes(), codes[j])
-            self.write_end[i] = (now, last[j])
+            self.write_end[i] = (now, last[j].tolist())
             if kv_all[j] is not None:
                 self.kv_all_ms[i] = now + kv_all[j]
         ranks = self.state.ranks
