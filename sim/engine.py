@@ -274,16 +274,16 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[np.ndarray, list[bytes], list[int], np.ndarray,
-                                       list[float | None]]:
+    def _layout(self, c: int) -> tuple[np.ndarray, bytes, list[int], np.ndarray, array]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
-        with numpy: event times sorted per request (absent events last, at +inf); per
-        request, as Python objects (so that an enqueue does no numpy scalar work): its real
-        events' codes as int64 bytes, their count and the latest KV completion (None where
-        a transfer fails); the last write per rank (-inf: none) stays an array (as Python
-        lists, the 4 chunks kept would cost ~250 bytes per request in flight). Without
-        stalls an event's time is enqueue + offset, and adding the same number keeps the
-        order, so the order is known up front."""
+        with numpy: event times sorted per request (absent events last, at +inf), their
+        codes (int64 bytes, ``3 * ranks`` per request), the count of real events, the last
+        write per rank (-inf: none) and the latest KV completion (NaN where a transfer
+        fails). The codes, counts and KV completions are in forms an enqueue reads
+        without numpy scalar work, and as compact as arrays (the kept chunks count in
+        the memory per request in flight). Without stalls an event's time is enqueue +
+        offset, and adding the same number keeps the order, so the order is known up
+        front."""
         cached = self.layouts.get(c)
         if cached is not None:
             return cached
@@ -303,9 +303,8 @@ class Simulation:
         rel = np.take_along_axis(rel, order, axis=1)
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
         count = np.isfinite(rel).sum(axis=1).tolist()
-        code_rows = [row[:m].tobytes() for row, m in zip(codes, count)]
-        kv_all = [None if f >= 0 else kv for f, kv in zip(fr.tolist(), xfer.max(axis=1).tolist())]
-        out = (rel, code_rows, count, np.where(meta, room, -math.inf), kv_all)
+        kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
+        out = (rel, codes.tobytes(), count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -326,10 +325,10 @@ class Simulation:
             tl = self._timeline_of(i, now)
         else:
             rel, codes, count, last, kv_all = self._layout(i // CHUNK)
-            tl = _Timeline(i, (now + rel[j, :count[j]]).tobytes(), codes[j])
+            m, at = count[j], j * 24 * self.T          # 3 * ranks int64 codes per request
+            tl = _Timeline(i, (now + rel[j, :m]).tobytes(), codes[at:at + 8 * m])
             self.write_end[i] = (now, last[j].tolist())
-            if kv_all[j] is not None:
-                self.kv_all_ms[i] = now + kv_all[j]
+            self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
         ranks = self.state.ranks
         if self.local_admission and any(i not in rs.recv for rs in ranks):   # some ranks left out
             keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
