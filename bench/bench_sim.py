@@ -16,8 +16,8 @@ Figures:
   per delivery batch and per scheduler action, the schedule before the fast one; both
   use the spec's batched step); with ``PDGATE_BENCH_BEFORE=DIR`` (a checkout of an
   older pdgate, e.g. ``git archive b44bea5 | tar -x -C DIR``), also that tree's simulator on
-  the same loads, interleaved with this one's in the same run: requests per CPU second
-  ``*_before`` and this tree's ratio to it. Recorded before issue 11 item 5 (b44bea5,
+  the same loads, interleaved with this one's in the same run (each tree's runs in
+  fresh subprocesses): requests per CPU second ``*_before`` and this tree's ratio to it. Recorded before issue 11 item 5 (b44bea5,
   this 2-core machine): ~6,100 (Mooncake) and ~6,200 (Poisson) requests per wall
   second; the goal is 20,000;
 - the trace reader: rows per second and peak traced memory streaming a generated
@@ -118,8 +118,9 @@ def _memory(quick: bool) -> dict:
             "bytes_per_queued_request_8_ranks": round(peak_q / data_q.peak_in_flight)}
 
 
-# One simulation of one of ``_throughput``'s loads by another checkout's own code
-# (PDGATE_BENCH_BEFORE's, in a subprocess): prints the run's CPU seconds.
+# One simulation of one of ``_throughput``'s loads by a checkout's own code, in a fresh
+# subprocess (PDGATE_BENCH_BEFORE's, and this tree's alike, so that neither side runs in
+# a process the other's runs have warmed or cluttered): prints the run's CPU seconds.
 _ONE_RUN = """
 import sys, time
 from sim.config import SimConfig
@@ -135,8 +136,8 @@ print(time.process_time() - c0)
 """
 
 
-def _before_cpu(tree: str, name: str, n: int, sample: str) -> float:
-    """Best CPU seconds of ``tree``'s simulator on load ``name`` (its code, same load)."""
+def _tree_cpu(tree: str, name: str, n: int, sample: str) -> float:
+    """CPU seconds of ``tree``'s simulator on load ``name`` (its code, the same load)."""
     import os
     import subprocess
     import sys
@@ -165,6 +166,7 @@ def _throughput(quick: bool) -> dict:
         walls: dict[bool, list[float]] = {False: [], True: []}
         cpus: dict[bool, list[float]] = {False: [], True: []}
         before_cpus: list[float] = []
+        after_cpus: list[float] = []          # this tree, in subprocesses like the before tree's
         for _ in range(2 if quick else 5):
             for eager in (False, True):
                 sim = Simulation(cfg, wl, eager=eager)
@@ -173,14 +175,16 @@ def _throughput(quick: bool) -> dict:
                 walls[eager].append(time.perf_counter() - t0)
                 cpus[eager].append(time.process_time() - c0)
             if before:
-                before_cpus.append(_before_cpu(before, name, n_poisson, sample))
+                before_cpus.append(_tree_cpu(before, name, n_poisson, sample))
+                after_cpus.append(_tree_cpu(str(Path(__file__).resolve().parents[1]), name,
+                                            n_poisson, sample))
         out[f"{name}_requests_per_s_8_ranks"] = round(len(wl) / min(walls[False]))
         out[f"{name}_requests_per_s_8_ranks_eager"] = round(len(wl) / min(walls[True]))
         out[f"{name}_requests_per_cpu_s_8_ranks"] = round(len(wl) / min(cpus[False]))
         out[f"{name}_speedup_vs_eager_cpu"] = round(min(cpus[True]) / min(cpus[False]), 2)
         if before_cpus:
             out[f"{name}_requests_per_cpu_s_8_ranks_before"] = round(len(wl) / min(before_cpus))
-            out[f"{name}_speedup_vs_before_cpu"] = round(min(before_cpus) / min(cpus[False]), 2)
+            out[f"{name}_speedup_vs_before_cpu"] = round(min(before_cpus) / min(after_cpus), 2)
     return out
 
 
