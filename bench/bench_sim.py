@@ -120,7 +120,7 @@ def _memory(quick: bool) -> dict:
 
 # One simulation of one of ``_throughput``'s loads by a checkout's own code, in a fresh
 # subprocess (PDGATE_BENCH_BEFORE's, and this tree's alike, so that neither side runs in
-# a process the other's runs have warmed or cluttered): prints the run's CPU seconds.
+# a process with other runs in it): prints the run's CPU seconds.
 _ONE_RUN = """
 import sys, time
 from sim.config import SimConfig
