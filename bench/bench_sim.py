@@ -14,7 +14,12 @@ Figures:
   (sim/data, 1,000 real requests) and on generated Poisson load (4 req/s, default
   lengths), by the fast schedule and, in the same run, by the eager one (a SimPy event
   per delivery batch and per scheduler action, the schedule before the fast one; both
-  use the spec's batched step);
+  use the spec's batched step); with ``PDGATE_BENCH_BEFORE=DIR`` (a checkout of an
+  older pdgate, e.g. ``git archive b44bea5 | tar -x -C DIR``), also that tree's simulator on
+  the same loads, interleaved with this one's in the same run (each tree's runs in
+  fresh subprocesses): requests per CPU second ``*_before`` and this tree's ratio to it. Recorded before issue 11 item 5 (b44bea5,
+  this 2-core machine): ~6,100 (Mooncake) and ~6,200 (Poisson) requests per wall
+  second; the goal is 20,000;
 - the trace reader: rows per second and peak traced memory streaming a generated
   Azure-2024-format CSV (the memory must not grow with the file).
 """
@@ -113,30 +118,73 @@ def _memory(quick: bool) -> dict:
             "bytes_per_queued_request_8_ranks": round(peak_q / data_q.peak_in_flight)}
 
 
+# One simulation of one of ``_throughput``'s loads by a checkout's own code, in a fresh
+# subprocess (PDGATE_BENCH_BEFORE's, and this tree's alike, so that neither side runs in
+# a process with other runs in it): prints the run's CPU seconds.
+_ONE_RUN = """
+import sys, time
+from sim.config import SimConfig
+from sim.engine import Simulation
+from sim.workload import load_trace
+from bench.bench_sim import _workload
+name, n, sample = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+wl = load_trace(sample) if name == "mooncake" else _workload(n, 4.0)
+sim = Simulation(SimConfig(variant="gate", ranks=8), wl)
+c0 = time.process_time()
+sim.run()
+print(time.process_time() - c0)
+"""
+
+
+def _tree_cpu(tree: str, name: str, n: int, sample: str) -> float:
+    """CPU seconds of ``tree``'s simulator on load ``name`` (its code, the same load)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, "-c", _ONE_RUN, name, str(n), sample], cwd=tree,
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
 def _throughput(quick: bool) -> dict:
-    """Requests per wall second (best of 3, or 2 with --quick), fast vs eager schedule
-    interleaved in the same run; the ratio from CPU time (less noisy when shared)."""
+    """Requests per wall second (best of 5, or 2 with --quick: a Mooncake run takes ~0.1
+    s, and single runs on a shared machine vary by up to 2x), fast vs eager schedule (and
+    PDGATE_BENCH_BEFORE's tree, see the module doc) interleaved in the same run, so load
+    changes hit all; the ratios from CPU time (less noisy when shared)."""
+    import os
     from pathlib import Path
     from sim.workload import load_trace
-    sample = Path(__file__).resolve().parents[1] / "sim" / "data" / "mooncake_conversation_head1000.jsonl"
-    loads = {"mooncake": load_trace(str(sample)),
-             "poisson": _workload(2000 if quick else 10_000, 4.0)}
+    sample = str(Path(__file__).resolve().parents[1] / "sim" / "data"
+                 / "mooncake_conversation_head1000.jsonl")
+    n_poisson = 2000 if quick else 10_000
+    loads = {"mooncake": load_trace(sample), "poisson": _workload(n_poisson, 4.0)}
+    before = os.environ.get("PDGATE_BENCH_BEFORE")
     out: dict = {}
     cfg = SimConfig(variant="gate", ranks=8)
     for name, wl in loads.items():
         walls: dict[bool, list[float]] = {False: [], True: []}
         cpus: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(2 if quick else 3):       # interleaved, so load changes hit both
+        before_cpus: list[float] = []
+        after_cpus: list[float] = []          # this tree, in subprocesses like the before tree's
+        for _ in range(2 if quick else 5):
             for eager in (False, True):
                 sim = Simulation(cfg, wl, eager=eager)
                 t0, c0 = time.perf_counter(), time.process_time()
                 sim.run()
                 walls[eager].append(time.perf_counter() - t0)
                 cpus[eager].append(time.process_time() - c0)
+            if before:
+                before_cpus.append(_tree_cpu(before, name, n_poisson, sample))
+                after_cpus.append(_tree_cpu(str(Path(__file__).resolve().parents[1]), name,
+                                            n_poisson, sample))
         out[f"{name}_requests_per_s_8_ranks"] = round(len(wl) / min(walls[False]))
         out[f"{name}_requests_per_s_8_ranks_eager"] = round(len(wl) / min(walls[True]))
         out[f"{name}_requests_per_cpu_s_8_ranks"] = round(len(wl) / min(cpus[False]))
         out[f"{name}_speedup_vs_eager_cpu"] = round(min(cpus[True]) / min(cpus[False]), 2)
+        if before_cpus:
+            out[f"{name}_requests_per_cpu_s_8_ranks_before"] = round(len(wl) / min(before_cpus))
+            out[f"{name}_speedup_vs_before_cpu"] = round(min(before_cpus) / min(after_cpus), 2)
     return out
 
 

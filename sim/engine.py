@@ -29,12 +29,12 @@ from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Step
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, fail, forget,
-                                kv_done, land)
+from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, enqueue, fail,
+                                forget, kv_done, land)
 from model.spec.state import ALL_FIELDS, initial_state
 from model.spec.trace import TraceWriter
 from model.spec.timeouts import deployed_variant
-from model.spec.variants import VARIANTS, Variant
+from model.spec.variants import VARIANTS, Admission, Variant
 from sim.checks import step_violations
 from sim.config import SimConfig
 from sim.draws import Draws, StepTimes, draw, stream
@@ -124,7 +124,8 @@ class _Timeline:
     them at their times (keeps memory per request small)."""
     __slots__ = ("req", "times", "codes", "pos", "due", "lazy")
 
-    def __init__(self, req: int, times: Sequence[float], codes: Sequence[int]):
+    def __init__(self, req: int, times: Sequence[float] | bytes, codes: Sequence[int] | bytes):
+        # (bytes: the machine's float64 / int64 values, which array() takes as they are)
         self.req, self.times, self.codes, self.pos = req, array("d", times), array("q", codes), 0
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
         self.lazy = False
@@ -195,7 +196,8 @@ class Simulation:
         self.peak_in_flight = 0
         self.arrived = self.finished = 0       # in flight: arrived, not done decoding/aborted
         # (arrived is counted lazily, by _finish)
-        self.arrivals = workload.arrival_ms
+        self.arrivals = workload.arrival_ms.tolist()   # sorted: bisect, no numpy call per finish
+        self.output_len = workload.output_len.tolist()
         self.pending = 1          # prefill completions still to come + scheduled callbacks
         self.decided = 0
         self.decode_steps = 0
@@ -217,6 +219,8 @@ class Simulation:
         self.cut_short: str | None = None      # why the run stopped before every request was decided
         self.wall_limit_s = wall_limit_s
         self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
+        # only local admission can leave a rank without the request (machine.admitting)
+        self.local_admission = self.variant.admission is not Admission.AGREED
 
     # -- environment events ------------------------------------------------------------
     def _env_events(self, events: list[Any], now: float) -> None:
@@ -231,28 +235,28 @@ class Simulation:
             for ev in events:
                 self.trace.event(ev, now)
 
-    def _prefill_plan(self) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill_plan(self) -> tuple[list[float], list[int]]:
         """Prefill completion times and requests, in completion order. Prefill depends
         on nothing the decode side does (FIFO servers, fixed durations), so it is planned
         up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
         done = np.empty(len(self.wl))
-        for i, (t, dur) in enumerate(zip(self.arrivals.tolist(), self.d.prefill_ms.tolist())):
+        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
             end = max(t, heapq.heappop(servers)) + dur
             heapq.heappush(servers, end)
             done[i] = end
         order = np.argsort(done, kind="stable")
-        return done[order], order
+        return done[order].tolist(), order.tolist()     # lists: a bisect and a slice per completion
 
     def _prefilled(self, pos: int) -> None:
         """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
         times, reqs = self.plan
         now, end = times[pos], len(times)
-        stop = int(np.searchsorted(times, now, side="right"))
-        self.prealloc.extend(reqs[pos:stop].tolist())
+        stop = bisect_right(times, now, pos)
+        self.prealloc.extend(reqs[pos:stop])
         pos = stop
         if pos < end:
-            _At(self.env, float(times[pos]) - self.env.now, self._prefilled, pos)
+            _At(self.env, times[pos] - self.env.now, self._prefilled, pos)
         self._admit(self.env.now)
         if pos == end:
             self._settle()
@@ -265,7 +269,7 @@ class Simulation:
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        k = self.arrived = int(np.searchsorted(self.arrivals, now, side="right"))
+        k = self.arrived = bisect_right(self.arrivals, now)
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -285,12 +289,16 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _layout(self, c: int) -> tuple[np.ndarray, bytes, list[int], np.ndarray, array]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
         with numpy: event times sorted per request (absent events last, at +inf), their
-        codes, the count of real events, the last write per rank (-inf: none) and the
-        latest KV completion. Without stalls an event's time is enqueue + offset, and
-        adding the same number keeps the order, so the order is known up front."""
+        codes (int64 bytes, ``3 * ranks`` per request), the count of real events, the last
+        write per rank (-inf: none) and the latest KV completion (NaN where a transfer
+        fails). The codes, counts and KV completions are in forms an enqueue reads
+        without numpy scalar work, and as compact as arrays (the kept chunks count in
+        the memory per request in flight). Without stalls an event's time is enqueue +
+        offset, and adding the same number keeps the order, so the order is known up
+        front."""
         cached = self.layouts.get(c)
         if cached is not None:
             return cached
@@ -309,8 +317,9 @@ class Simulation:
         order = np.lexsort((codes, rel))
         rel = np.take_along_axis(rel, order, axis=1)
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
-        count = np.isfinite(rel).sum(axis=1)
-        out = (rel, codes, count, np.where(meta, room, -math.inf), xfer.max(axis=1))
+        count = np.isfinite(rel).sum(axis=1).tolist()
+        kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
+        out = (rel, codes.tobytes(), count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -318,21 +327,25 @@ class Simulation:
 
     def _enqueue(self, i: int, now: float) -> None:
         ch, j = self.d.row(i)
-        self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
+        if self.trace is None:       # the spec's transition, minus an event object
+            try:
+                enqueue(self.state, i, ch.room[j], ch.payload[j])
+            except EventNotEnabled as exc:
+                _refused(exc)
+            self.since_poll += 1
+        else:
+            self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
         self.in_pool += 1
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, last, kv_max = self._layout(i // CHUNK)
-            m = int(count[j])
-            tl = _Timeline(i, (), ())
-            tl.times.frombytes((now + rel[j, :m]).tobytes())
-            tl.codes.frombytes(codes[j, :m].tobytes())
+            rel, codes, count, last, kv_all = self._layout(i // CHUNK)
+            m, at = count[j], j * 24 * self.T          # 3 * ranks int64 codes per request
+            tl = _Timeline(i, (now + rel[j, :m]).tobytes(), codes[at:at + 8 * m])
             self.write_end[i] = (now, last[j].tolist())
-            if ch.fail_rank[j] < 0:
-                self.kv_all_ms[i] = now + kv_max[j]
+            self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
         ranks = self.state.ranks
-        if any(i not in rs.recv for rs in ranks):     # local admission left some ranks out
+        if self.local_admission and any(i not in rs.recv for rs in ranks):   # some ranks left out
             keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
             tl = _Timeline(i, [tl.times[j] for j in keep], [tl.codes[j] for j in keep])
             if not keep:
@@ -507,7 +520,9 @@ class Simulation:
         ranks, n = state.ranks, len(self.wl)
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
-        eager, running, forward, idle = self.eager, self.running, self.forward, self.idle
+        eager, running = self.eager, self.running
+        forward, idle = self.forward.next, self.idle.next      # a decode step's duration
+        prealloc = self.prealloc
         stepper = Stepper(state)
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
@@ -564,17 +579,20 @@ class Simulation:
             # A decode step; with an empty transfer queue several run back to back (no
             # protocol step between them) until something is due or a request enqueues.
             nxt = env.peek() if not (queued or eager) else t
+            done = self.decode_steps      # a local in this hot loop (nothing it calls reads it)
+            rank0 = ranks[0]
             while True:
-                self.decode_steps += 1
-                while running and running[0][0] <= self.decode_steps:
+                done += 1
+                while running and running[0][0] <= done:
                     heapq.heappop(running)
                     self.in_pool -= 1
                     self._finish(t)
-                if self.prealloc:
+                if prealloc:
                     self._admit(t)
-                t += forward.next() if running else idle.next()
-                if t >= nxt or not running or ranks[0].queue:
+                t += forward() if running else idle()
+                if t >= nxt or not running or rank0.queue:
                     break
+            self.decode_steps = done
         self.end_ms = t
 
     def _record_pops(self, rec: StepRecord | StepPops, now: float) -> int:
@@ -583,21 +601,25 @@ class Simulation:
         if not popped[0]:       # the checks passed, so every rank popped the same: nothing
             return 0
         d = self.d
+        aborted = False
         for r, dec, _ in popped[0]:
             self.outcome[r] = dec
             self.decided += 1
             if dec == _COMMIT:
                 self.write_end.pop(r, None)      # a commit gets no fence
                 self.commit_ms[r] = now
-                heapq.heappush(self.running, (self.decode_steps + int(self.wl.output_len[r]), r))
+                heapq.heappush(self.running, (self.decode_steps + self.output_len[r], r))
             else:
+                aborted = True
                 self.in_pool -= 1
                 self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend(r for r, _, _ in popped[0])
+        self.to_forget.extend([r for r, _, _ in popped[0]])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
+        if not aborted and popped.count(popped[0]) == len(popped):
+            return len(popped[0])        # commits only, on every rank: no fence to wait for
         for k, rank_popped in enumerate(popped):
             rs = self.state.ranks[k]
             for r, dec, _ in rank_popped:
@@ -622,8 +644,8 @@ class Simulation:
     def run(self) -> RunData:
         env = self.env
         self.plan = self._prefill_plan()
-        if len(self.plan[0]):
-            _At(env, float(self.plan[0][0]), self._prefilled, 0)
+        if self.plan[0]:
+            _At(env, self.plan[0][0], self._prefilled, 0)
         else:
             self._settle()
         proc = env.process(self._scheduler())

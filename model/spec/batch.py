@@ -7,8 +7,9 @@ ranks with the kernel's tables (``kernel.gate_table`` / ``pop_table``), instead 
 list per rank and a ``min_reduce`` over them, and it does no per-rank work beyond the
 age count when the MIN keeps every request (most steps). Whenever the ranks' queues
 differ (a divergence in the making, or local admission) or the variant defers slot
-releases, machine.py does the step, and when a request pops machine.py's per-rank
-``_pop`` decides and releases, so the pop and release rules have one implementation.
+releases, machine.py does the step. The pops (and the ages of the kept) are machine.py's
+``_pop`` over the group of every rank, the function ``apply`` runs on each rank alone,
+so the pop and release rules have one implementation.
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
@@ -21,11 +22,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Step
-from model.spec.machine import (_AGES_FROM, EventNotEnabled, StepPops, _land, _latch, _pop,
+from model.spec.machine import (_NO_DEFERRAL, EventNotEnabled, StepPops, _land, _latch, _pop,
                                 _require_live, _tables, apply)
 from model.spec.kvpoll import KVPoll
 from model.spec.state import SystemState
-from model.spec.variants import Deferral
 
 _STEP = Step()
 _NO_POPS: dict[int, tuple[tuple, ...]] = {}     # ranks -> ((),) * ranks
@@ -52,7 +52,7 @@ def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
     request was kept (else None)."""
     ranks = state.ranks
     queue = ranks[0].queue
-    if state.variant.defer_failed is not Deferral.NONE:   # held slots count steps: general code
+    if state.variant.defer_failed is not _NO_DEFERRAL:   # held slots count steps: general code
         return apply(state, _STEP, detail=False), None
     for rs in ranks:
         if rs.queue != queue:            # a MIN over different requests: the general code
@@ -81,18 +81,15 @@ def _step(state: SystemState) -> tuple[StepPops, list[int] | None]:
     step_no = state.steps
     state.steps += 1
     if popping:
-        return StepPops(step_no, tuple(_pop(state, rs, reduced, pop) for rs in ranks)), None
-    return _all_kept(state, queue, reduced, step_no), reduced
+        return StepPops(step_no, tuple(_pop(state, ranks, reduced, pop))), None
+    return _all_kept(state, reduced, step_no), reduced
 
 
-def _all_kept(state: SystemState, queue: list[int], reduced: list[int], step_no: int) -> StepPops:
-    """_pop's every-request-kept case on every rank: only the ages move."""
+def _all_kept(state: SystemState, reduced: list[int], step_no: int) -> StepPops:
+    """_pop's every-request-kept case on every rank (only the ages move), with the
+    step's record shared between steps."""
     ranks = state.ranks
-    for rs in ranks:
-        age = rs.age
-        for red, r in zip(reduced, queue):
-            if red >= _AGES_FROM:
-                age[r] += 1
+    _pop(state, ranks, reduced, None)
     empty = _NO_POPS.get(len(ranks))
     if empty is None:
         empty = _NO_POPS[len(ranks)] = ((),) * len(ranks)
@@ -120,7 +117,7 @@ class Stepper:
                     timeout is None or all(rs.age[r] < timeout for rs in state.ranks for r in queue)):
                 step_no = state.steps
                 state.steps += 1
-                return _all_kept(state, queue, reduced, step_no)
+                return _all_kept(state, reduced, step_no)
         rec, reduced = _step(state)
         self._kept = None if reduced is None else (state.ranks[0].queue, len(reduced), reduced)
         return rec

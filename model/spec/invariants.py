@@ -107,8 +107,9 @@ def _suspect(state: SystemState, rec: "StepRecord | StepPops") -> bool:
     for rs in ranks[1:]:
         if rs.queue != q0:
             return True
-    first, *others = rec.popped
-    requests = state.requests
+    every = rec.popped
+    first, requests = every[0], state.requests
+    others = () if every.count(first) == len(every) else every[1:]   # one C call, mostly
     for popped in others:
         if popped != first:      # rare: compare the outcome kinds, then the payloads
             if [(r, d == _COMMIT) for r, d, _ in popped] != [(r, d == _COMMIT) for r, d, _ in first]:

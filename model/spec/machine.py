@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Event, Fail, Fence, KvDone, Land, Step
 from model.spec.kernel import Decision, compare_index, gate_table, keep_regardless, pop_table
@@ -24,6 +24,11 @@ _FAILED, _SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)
 # own timeout, not the gate's).
 _AGES_FROM = int(KVPoll.Transferring)
 _FIELD_BIT = {ROOM: ROOM_BIT, PAYLOAD: PAYLOAD_BIT}
+# Enum members the hot paths compare with, bound once: in CPython 3.11 ``Enum.MEMBER``
+# is a descriptor call (~0.2 us), which per rank and request is much of a step's cost.
+_KEEP, _COMMIT, _ABORT_FAILED = int(Decision.KEEP), int(Decision.COMMIT), int(Decision.ABORT_FAILED)
+_NO_DEFERRAL, _LOCAL_DEFERRAL, _AGREED_DEFERRAL = Deferral.NONE, Deferral.LOCAL, Deferral.AGREED
+_AGREED_ADMISSION, _QUEUE_ORDER = Admission.AGREED, FreeOrder.QUEUE
 
 
 class EventNotEnabled(Exception):
@@ -105,12 +110,11 @@ def _release(state: SystemState, rs: RankState, req: int, decision: int | None =
     """After a pop: free the slot now, hold it (a failed request where the variant defers
     its release), or quarantine it until its writes are fenced."""
     v = state.variant
-    if decision == Decision.ABORT_FAILED and v.defer_failed is not Deferral.NONE:
+    if decision == _ABORT_FAILED and v.defer_failed is not _NO_DEFERRAL:
         rs.held[req] = 0
         return
-    pending = rs.landed[req] != ALL_FIELDS and req not in rs.fenced
-    if v.fence_before_reuse and pending:
-        rs.quarantined.add(req)
+    if v.fence_before_reuse and rs.landed[req] != ALL_FIELDS and req not in rs.fenced:
+        rs.quarantined.add(req)         # writes still pending: the slot waits for them
     else:
         _free_slot(state, rs, req)
     _forget_if_done(rs, req)
@@ -133,28 +137,28 @@ def admitting(state: SystemState) -> list[int]:
     admission: each rank with a free slot of its own; a rank without one leaves the
     request in its prealloc queue, so the ranks' queues differ from here on."""
     has_room = [k for k, rs in enumerate(state.ranks) if rs.free]
-    if state.variant.admission is Admission.AGREED and len(has_room) < len(state.ranks):
+    if state.variant.admission is _AGREED_ADMISSION and len(has_room) < len(state.ranks):
         return []
     return has_room
 
 
-def _enqueue(state: SystemState, ev: Enqueue) -> None:
-    if ev.req in state.requests:
-        raise EventNotEnabled(f"enqueue: request {ev.req} was already enqueued")
+def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+    if req in state.requests:
+        raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
     takers = admitting(state)
     if not takers:
         full = next(k for k, rs in enumerate(state.ranks) if not rs.free)
         raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
-    state.requests[ev.req] = Request(ev.room, ev.payload)
+    state.requests[req] = Request(room, payload)
     ranks = state.ranks
     for k in takers:
         rs = ranks[k]
         slot = rs.free.pop(0)
-        rs.queue.append(ev.req)
-        rs.recv[ev.req] = WAITING
-        rs.age[ev.req] = 0
-        rs.slot_of[ev.req] = slot
-        rs.landed[ev.req] = 0
+        rs.queue.append(req)
+        rs.recv[req] = WAITING
+        rs.age[req] = 0
+        rs.slot_of[req] = slot
+        rs.landed[req] = 0
 
 
 def _land(state: SystemState, rank: int, req: int, field: str) -> None:
@@ -191,7 +195,7 @@ def _fence(state: SystemState, ev: Fence) -> None:
     if ev.req in rs.fenced:     # still tracked only while its deferred slot is held
         raise EventNotEnabled(f"fence: request {ev.req} is already fenced on rank {ev.rank}")
     rs.fenced.add(ev.req)
-    if ev.req in rs.held and state.variant.defer_failed is Deferral.LOCAL:
+    if ev.req in rs.held and state.variant.defer_failed is _LOCAL_DEFERRAL:
         del rs.held[ev.req]         # this rank releases on its own acknowledgement, at once
         _free_slot(state, rs, ev.req)
     _writes_done(state, rs, ev.req)
@@ -199,8 +203,10 @@ def _fence(state: SystemState, ev: Fence) -> None:
 
 @lru_cache(maxsize=None)
 def _tables(v: Variant) -> tuple[tuple, tuple, tuple]:
-    """The kernel's tables for ``v``, looked up once per step (one hash of ``v``)."""
-    return gate_table(v), pop_table(v), keep_regardless(v)
+    """The kernel's tables for ``v``, looked up once per step (one hash of ``v``); the
+    pop table's Decisions as plain ints (no IntEnum work per rank and request)."""
+    return gate_table(v), tuple(None if d is None else int(d) for d in pop_table(v)), \
+        keep_regardless(v)
 
 
 def _polls(requests: dict[int, Request], rs: RankState, gate: tuple, timeout: int | None,
@@ -221,43 +227,56 @@ def _polls(requests: dict[int, Request], rs: RankState, gate: tuple, timeout: in
     return gated
 
 
-def _pop(state: SystemState, rs: RankState, reduced: list[int], pop: tuple | None
-         ) -> tuple[tuple[int, int, int], ...]:
-    """Apply the MIN on one rank: pop decisions (``pop`` is None when every reduced value
-    keeps regardless of the rooms), ages of the kept, outcomes and slot release."""
-    age = rs.age
+def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop: tuple | None
+         ) -> list[tuple[tuple[int, int, int], ...]]:
+    """Apply the MIN on ranks that queue the same requests in the same order: one rank
+    (``_protocol_step``), or every rank at once when their queues are equal (batch.py),
+    so that what depends on the request alone (its expected room, whether it ages) is
+    looked up once for the group. Pop decisions (``pop`` is None when every reduced
+    value keeps regardless of the rooms), ages of the kept, outcomes and slot release;
+    returns what each rank of the group popped."""
+    queue = group[0].queue
+    ageing = [r for red, r in zip(reduced, queue) if red >= _AGES_FROM]
     if pop is None:
-        for red, r in zip(reduced, rs.queue):
-            if red >= _AGES_FROM:
+        for rs in group:
+            age = rs.age
+            for r in ageing:
                 age[r] += 1
-        return ()
-    kept: list[int] = []
-    popped: list[tuple[int, int, int]] = []
-    positions: list[int] = []
-    requests, room_at, slot_of = state.requests, rs.room_at, rs.slot_of
-    for pos, (red, r) in enumerate(zip(reduced, rs.queue)):
-        slot = slot_of[r]
-        d = pop[red * 8 + compare_index(room_at[slot], requests[r].room)]
-        if d is Decision.KEEP:
-            kept.append(r)
-            if red >= _AGES_FROM:
-                age[r] += 1
-            continue
-        popped.append((r, int(d), rs.payload_at[slot] if d is Decision.COMMIT else 0))
-        positions.append(pos)
-    rs.queue = kept          # a new list: the one before the step stays intact
-    for r, d, payload in _release_order(state.variant, popped, positions):
-        del rs.recv[r], age[r]
-        rs.outcomes[r] = ("commit", payload) if d == Decision.COMMIT else ("abort", d)
-        _release(state, rs, r, d)
-    return tuple(popped)
+        return [()] * len(group)
+    requests = state.requests
+    # per request: its position, its reduced value's row of the pop table, its room
+    rows = [(pos, red * 8, r, requests[r].room) for pos, (red, r) in enumerate(zip(reduced, queue))]
+    out = []
+    for rs in group:
+        kept: list[int] = []
+        popped: list[tuple[int, int, int]] = []
+        positions: list[int] = []
+        room_at, slot_of, payload_at = rs.room_at, rs.slot_of, rs.payload_at
+        for pos, row, r, expected in rows:
+            slot = slot_of[r]
+            d = pop[row + compare_index(room_at[slot], expected)]
+            if d == _KEEP:
+                kept.append(r)
+                continue
+            popped.append((r, d, payload_at[slot] if d == _COMMIT else 0))
+            positions.append(pos)
+        age = rs.age
+        for r in ageing:         # a popped one too: its age goes with it below
+            age[r] += 1
+        rs.queue = kept          # a new list: the one before the step stays intact
+        for r, d, payload in _release_order(state.variant, popped, positions):
+            del rs.recv[r], age[r]
+            rs.outcomes[r] = ("commit", payload) if d == _COMMIT else ("abort", d)
+            _release(state, rs, r, d)
+        out.append(tuple(popped))
+    return out
 
 
 def _release_order(v: Variant, popped: list, positions: list[int]) -> list:
     """The popped requests in the order their slots go back to the free list: queue
     order, or (SGLang) the iteration order of ``set(positions)``, which CPython fixes
     for ints by their hash (the value) modulo the set's table size."""
-    if v.free_order is FreeOrder.QUEUE or len(popped) < 2:
+    if v.free_order is _QUEUE_ORDER or len(popped) < 2:
         return popped
     by_pos = dict(zip(positions, popped))
     return [by_pos[pos] for pos in set(positions)]
@@ -279,7 +298,7 @@ def _release_held(state: SystemState) -> None:
     def can_release(rs: RankState, r: int) -> bool:
         return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
 
-    if v.defer_failed is Deferral.AGREED:     # decided on the pre-step holds of every rank
+    if v.defer_failed is _AGREED_DEFERRAL:     # decided on the pre-step holds of every rank
         ok = {r for rs in ranks for r in rs.held
               if all(can_release(o, r) for o in ranks if r in o.held)}
         release = [[r for r in rs.held if r in ok] for rs in ranks]
@@ -315,9 +334,9 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
             for k in range(len(ranks))), exc.lengths)
     # Reduced values whose pop decision is KEEP whatever the rooms need no table lookup.
     rank_pop = None if all(keeps[red] for red in reduced) else pop
-    if state.variant.defer_failed is not Deferral.NONE:
+    if state.variant.defer_failed is not _NO_DEFERRAL:
         _release_held(state)
-    popped = [_pop(state, rs, reduced, rank_pop) for rs in ranks]
+    popped = [_pop(state, (rs,), reduced, rank_pop)[0] for rs in ranks]
     step_no = state.steps
     state.steps += 1
     if not detail:
@@ -343,7 +362,7 @@ _fail = _receiver(KVPoll.Failed, "fail")
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
 # Each unpacks its event and calls the one implementation of its transition.
 _ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
-    Enqueue: _enqueue,
+    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload),
     KvDone: lambda state, ev: _kv_done(state, ev.rank, ev.req),
     Fail: lambda state, ev: _fail(state, ev.rank, ev.req),
     Land: lambda state, ev: _land(state, ev.rank, ev.req, ev.field),
@@ -372,6 +391,13 @@ def apply(state: SystemState, event: Event, *, detail: bool = True) -> StepRecor
             handler(state, event)
             return None
     raise EventNotEnabled(f"unknown event {event!r}")
+
+
+def enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+    """``apply(state, Enqueue(req, room, payload))`` without building the event (as
+    ``kv_done``)."""
+    _require_live(state)
+    _enqueue(state, req, room, payload)
 
 
 def kv_done(state: SystemState, rank: int, req: int) -> None:

@@ -5,6 +5,7 @@ of every variant, timeouts, divergences and hangs included; ``batch.deliver`` is
 import random
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from model.spec.batch import (KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver,
                               step_pops)
@@ -121,3 +122,19 @@ def test_deliver_matches_apply_including_refused_events():
     assert delivered > 1000 and refused > 1000
     with pytest.raises(EventNotEnabled, match="event code"):
         deliver(initial_state(VARIANTS["gate"], 2, 1), 0, [8])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(ALL), st.integers(1, 8), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_grouped_pop_matches_apply_on_hypothesis_walks(variant, ranks, slots, rng):
+    """machine._pop over every rank at once (step_pops, when the queues are equal) and
+    each rank alone (apply): the same records and states step for step, up to 8 ranks."""
+    ref = initial_state(variant, ranks, slots)
+    fast = ref.copy()
+    for ev, _ in random_walk(rng, ref, 80):
+        if isinstance(ev, Step):
+            assert _step(step_pops, fast) == _step(lambda s: apply(s, ev, detail=False), ref)
+        else:
+            apply(ref, ev)
+            apply(fast, ev)
+        assert fast.key() == ref.key() and fast.steps == ref.steps
