@@ -47,13 +47,16 @@ def check_init(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000)
 
 def check_step(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000,
                only: Sequence[str] = ACTION_NAMES, at_most: Sizes | None = None,
-               describe: bool = False) -> QueryLog:
+               describe: bool = False, universe: Sizes | None = None) -> QueryLog:
     """Unbounded consecution, one query per action: the conjunction before the action
     and its negation after it is unsat for every action. ``at_most`` bounds the sorts
     (Ctx.at_most) for a search that expects sat: a counterexample to induction then
     comes back fast, and ``describe`` puts it (pre-state, event, post-state) in the
-    result's ``reason``."""
-    ctx = Ctx(variant)
+    result's ``reason``. ``universe`` instead fixes each sort to exactly that many
+    elements (the interpreted reading of vocab.Ctx: the same unbounded code and
+    quantifiers over an enumeration), for a sat search: a model there is a model of
+    the unbounded query with that many elements."""
+    ctx = Ctx(variant, universe=universe)
     s = ctx.declare_state("")
     solver = Solver(timeout_ms)
     solver.add(*ctx.axioms, conj(ctx, s, names))
@@ -134,8 +137,9 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
     """A counterexample to induction from a model: its ranks and requests (the model's
     universe), the pre-state, the event with its arguments, the post-state, and which
     conjunct breaks."""
-    ranks = list(model.get_universe(ctx.sorts["Rank"]) or [])
-    reqs = list(model.get_universe(ctx.sorts["Req"]) or [])
+    # an interpreted context's sorts are enumerations (no universe in the model)
+    universe = lambda sort: ctx.elems.get(sort) or list(model.get_universe(ctx.sorts[sort]) or [])
+    ranks, reqs = universe("Rank"), universe("Req")
     label = {e.get_id(): f"rank{i}" for i, e in enumerate(ranks)}
     label.update({e.get_id(): f"req{i}" for i, e in enumerate(reqs)})
     for r in reqs:
@@ -148,7 +152,7 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
             v = model.eval(a.params[key], model_completion=True)
             args.append(label.get(v.get_id(), str(v)).split("(")[0])
     expand = _OverUniverse(ctx, {"Rank": ranks, "Req": reqs,
-                                 "Slot": list(model.get_universe(ctx.sorts["Slot"]) or [])})
+                                 "Slot": universe("Slot")})
     broken = [n for n in names
               if z3.is_false(model.eval(PREDICATES[n](expand, a.post), model_completion=True))]
     if "bounded_wait" in names:
