@@ -169,6 +169,9 @@ class _Eval:
     guard: z3.BoolRef                  # guard and side axioms
     post: dict[tuple, z3.ExprRef]      # (function, indices) -> term, where the action changes it
     kept: frozenset[str]               # functions the action leaves as they were
+    # (key, value) -> "the successor has value at key": the same few per event, asked
+    # for in most states (building a Z3 term costs more than looking it up)
+    agrees: dict[tuple, z3.BoolRef] = field(default_factory=dict)
 
 
 class Checker:
@@ -200,6 +203,9 @@ class Checker:
         self._vals: dict[Any, z3.ExprRef] = {}
         self._from: Any = None
         self._answers: dict[tuple[int, ...], tuple[str, tuple]] = {}
+        self._ands: dict[tuple[int, ...], tuple[z3.BoolRef, list]] = {}
+        self._bools = [z3.BoolVal(True), z3.BoolVal(False)]      # alive: their ids stay theirs
+        self._bool_ids = {self._bools[0].get_id(): True, self._bools[1].get_id(): False}
 
     def _eval(self, ev: Event) -> _Eval:
         e = self._evals.get(ev)
@@ -230,6 +236,19 @@ class Checker:
                 out = z3.BoolVal(value) if rng == "Bool" else z3.IntVal(value)
             self._vals[cache_key] = out
         return out
+
+    def _known(self, t: z3.ExprRef) -> bool | None:
+        """True or False where the simplifier decided ``t``, else None (z3.is_true and
+        is_false cost several API calls each; an id lookup, one)."""
+        return self._bool_ids.get(t.get_id())
+
+    def _and(self, terms: list[z3.BoolRef]) -> z3.BoolRef:
+        """z3.And of the terms, built once per distinct list (states repeat them)."""
+        key = tuple(t.get_id() for t in terms)
+        hit = self._ands.get(key)
+        if hit is None:
+            hit = self._ands[key] = (z3.And(terms), terms)   # keeps the terms (and ids) alive
+        return hit[0]
 
     def _sat(self, *formulas: z3.BoolRef) -> str:
         """Satisfiability of pinned formulas. States that differ only where the action
@@ -283,10 +302,12 @@ class Checker:
             sb = z3.IntVal(before[("stamp", k, b)]) if sb is None else sb
             return sa < sb
         if key in e.post:
-            got = e.post[key]
-            if z3.is_bool(got):
-                return got if value else z3.Not(got)
-            return got == self._z3(key, value)
+            out = e.agrees.get((key, value))
+            if out is None:
+                got = e.post[key]
+                out = (got if value else z3.Not(got)) if z3.is_bool(got) else got == self._z3(key, value)
+                e.agrees[(key, value)] = out
+            return out
         if name == "pending":
             k, r = key[1:]
             return (before[("enq", r)] and not (before[("lr", k, r)] and before[("lp", k, r)])
@@ -304,9 +325,8 @@ class Checker:
         misaligned = isinstance(ev, Step) and len({tuple(sorted(rs.queue)) for rs in state.ranks}) > 1
         allowed_enc = allowed and not (self.mode == "finite" and misaligned)
         guard = pinned(e.guard)
-        if z3.is_true(guard) or z3.is_false(guard):
-            encoded = z3.is_true(guard)
-        else:
+        encoded = self._known(guard)
+        if encoded is None:
             status = self._sat(guard)
             if status == "unknown":
                 return "solver unknown on the guard"
@@ -334,10 +354,11 @@ class Checker:
         wrong = [label(k, v) for k, v, t in exact if t is False]
         terms = [(k, v, t) for k, v, t in exact if isinstance(t, z3.ExprRef)]
         if terms and not wrong:
-            conj = pinned(z3.And([t for _, _, t in terms]))
-            if z3.is_false(conj):
-                wrong = [label(k, v) for k, v, t in terms if z3.is_false(pinned(t))]
-            elif not z3.is_true(conj) and self._sat(guard, z3.Not(conj)) != "unsat":
+            conj = pinned(self._and([t for _, _, t in terms]))
+            known = self._known(conj)
+            if known is False:
+                wrong = [label(k, v) for k, v, t in terms if self._known(pinned(t)) is False]
+            elif known is None and self._sat(guard, z3.Not(conj)) != "unsat":
                 return "successor not determined: an allowed post-state differs from the spec's"
         if wrong:
             return f"successor differs: the encoding never has {', '.join(wrong[:4])}"
@@ -345,7 +366,7 @@ class Checker:
             if any(t is False for _, _, t in loose):
                 return "the spec's successor is not among the allowed post-states"
             rest = [t for _, _, t in exact + loose if isinstance(t, z3.ExprRef)]
-            if self._sat(guard, pinned(z3.And(rest))) != "sat":
+            if self._sat(guard, pinned(self._and(rest))) != "sat":
                 return "the spec's successor is not among the allowed post-states"
             self.report.at_least += 1
         else:
