@@ -12,7 +12,8 @@ from multiprocessing import TimeoutError, get_context
 from pathlib import Path
 from typing import NoReturn
 
-from proofs.obligations import ALL_VARIANTS, Obligation, Outcome, Settings, obligations, run_obligation
+from proofs.obligations import (ALL_VARIANTS, Obligation, Outcome, Settings, needs_facts, obligations,
+                                proved_facts, run_obligation, share_facts)
 
 
 def _usage_error(prog: str) -> "callable":
@@ -50,10 +51,22 @@ def _select(args: argparse.Namespace) -> list[Obligation]:
     return obs
 
 
-def _run_one(index_and_settings: tuple[int, Settings, list[str]]) -> tuple[int, Outcome]:
-    i, settings, keys = index_and_settings
+def _run_one(task: tuple[int, Settings, list[str], dict]) -> tuple[int, Outcome]:
+    i, settings, keys, facts = task
+    share_facts(facts)
     by_key = {o.key: o for o in obligations()}
     return i, run_obligation(by_key[keys[i]], settings)
+
+
+def _facts_of(task: tuple[str, int]) -> tuple[tuple[str, int], tuple[str, ...] | None, float]:
+    """(variant, timeout) -> its proved facts (None if that failed: each row that needs
+    them then proves them itself and reports what goes wrong), and the CPU seconds."""
+    c0 = time.process_time()
+    try:
+        names = proved_facts(*task)
+    except Exception:               # noqa: BLE001 - the rows report it, one by one
+        names = None
+    return task, names, time.process_time() - c0
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -105,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
                      "unbounded": o.unbounded, "detail": out.detail,
                      **({"trace": out.trace} if out.trace else {})})
     _print_table(rows)
-    print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall"
+    shared = (f", {settings.facts_cpu_seconds:.1f} CPU-s proving the facts rows share"
+              if settings.facts_cpu_seconds else "")
+    print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall{shared}"
           + (f"; {failed} UNEXPECTED" if failed else ""))
     if args.json:
         try:
@@ -158,9 +173,19 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
     order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))   # longest first
     results: list[Outcome | None] = [None] * len(obs)
     deadline = time.monotonic() + SUITE_DEADLINE_S
+    # Each variant's facts (proved_facts) once, then to every worker: otherwise each
+    # worker proves them again for every variant it meets.
+    wanted = list(dict.fromkeys((o.variant, settings.timeout_ms) for o in obs if needs_facts(o)))
+    facts: dict[tuple[str, int], tuple[str, ...]] = {}
     with get_context("fork").Pool(jobs) as pool:     # leaving the block terminates workers
-        it = pool.imap_unordered(_run_one, [(i, settings, keys) for i in order])
         try:
+            found = pool.imap_unordered(_facts_of, wanted)
+            for _ in wanted:
+                key, names, cpu = found.next(timeout=max(deadline - time.monotonic(), 0.0))
+                settings.facts_cpu_seconds += cpu
+                if names is not None:
+                    facts[key] = names
+            it = pool.imap_unordered(_run_one, [(i, settings, keys, facts) for i in order])
             for _ in order:
                 i, out = it.next(timeout=max(deadline - time.monotonic(), 0.0))
                 results[i] = out

@@ -81,6 +81,7 @@ def bundle(variant: Variant, inv: str) -> list[str]:
 class Settings:
     traces: Path
     timeout_ms: int = 20_000
+    facts_cpu_seconds: float = 0.0  # proofs/cli.py: proving the facts the workers share (in no row)
 
 
 @dataclass
@@ -129,13 +130,27 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
                       if symbolic else ""))
 
 
+# Facts proved by another worker of this run (proofs/cli.py proves each variant's once,
+# then hands them to every worker): (variant, timeout_ms) -> facts.
+_SHARED_FACTS: dict[tuple[str, int], tuple[str, ...]] = {}
+
+
+def share_facts(facts: dict[tuple[str, int], tuple[str, ...]]) -> None:
+    """Take the facts a worker of this same run proved (never anything from an earlier run)."""
+    _SHARED_FACTS.update(facts)
+
+
 @lru_cache(maxsize=None)
 def proved_facts(variant: str, timeout_ms: int = 20_000) -> tuple[str, ...]:
     """The facts this run proves for the variant (unbounded): every candidate bundle
     (the slot lemmas, then each expected safety bundle) is checked here and only those
     found inductive count. Assumed on every unrolled frame to prune the bounded
     search (sound: they hold in every reachable state); nothing is assumed that this
-    process has not just proved (cached per worker)."""
+    run has not just proved (here, cached per process, or by the worker share_facts
+    heard from)."""
+    shared = _SHARED_FACTS.get((variant, timeout_ms))
+    if shared is not None:
+        return shared
     v = ALL_VARIANTS[variant]
     facts: set[str] = set()
     for names in [SLOT_LEMMAS] + [bundle(v, inv) for inv in PROVED.get(variant, ())]:
@@ -314,6 +329,11 @@ def _refines(ob: Obligation, st: Settings) -> Outcome:
 def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
     from proofs.crosscheck import crosscheck
     return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
+
+
+def needs_facts(ob: Obligation) -> bool:
+    """The row reads proved_facts (assumes them or names them)."""
+    return ob.check in (_counterexample, _lasso, _witness, _not_inductive, _consistent)
 
 
 # -- the list -------------------------------------------------------------------------------
