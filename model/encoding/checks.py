@@ -338,10 +338,15 @@ class Unrolling:
                        pick(prev, rest, "rank") <= pick(cur, rest, "rank")))
 
     def check(self, goal: Goal) -> tuple[str, list[Move]]:
+        reach = goal(self.ctx, self.frames[-1])
         with self.solver.frame():
-            self.solver.add(goal(self.ctx, self.frames[-1]))
+            self.solver.add(reach)
             res = self.solver.check()
-            return res.status, (self._decode(res.model) if res.model is not None else [])
+        if res.status == "unsat":
+            # a fact now (no run of this length reaches the goal): said outright, it
+            # prunes the longer runs' search through this frame
+            self.solver.add(z3.Not(reach))
+        return res.status, (self._decode(res.model) if res.model is not None else [])
 
     def _decode(self, model: z3.ModelRef) -> list[Move]:
         ctx = self.ctx
