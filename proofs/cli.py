@@ -12,8 +12,9 @@ from multiprocessing import TimeoutError, get_context
 from pathlib import Path
 from typing import NoReturn
 
-from proofs.obligations import (ALL_VARIANTS, Obligation, Outcome, Settings, needs_facts, obligations,
-                                proved_facts, run_obligation, share_facts)
+from proofs.obligations import (ALL_VARIANTS, FactKey, Obligation, Outcome, Settings, bundle_inductive,
+                                fact_bundles, fact_key, needs_facts, obligations, run_obligation,
+                                share_facts)
 
 
 def _usage_error(prog: str) -> "callable":
@@ -58,15 +59,16 @@ def _run_one(task: tuple[int, Settings, list[str], dict]) -> tuple[int, Outcome]
     return i, run_obligation(by_key[keys[i]], settings)
 
 
-def _facts_of(task: tuple[str, int]) -> tuple[tuple[str, int], tuple[str, ...] | None, float]:
-    """(variant, timeout) -> its proved facts (None if that failed: each row that needs
-    them then proves them itself and reports what goes wrong), and the CPU seconds."""
+def _verdict(key: FactKey) -> tuple[FactKey, bool | None, float]:
+    """A candidate fact bundle no selected row proves: its verdict (None if the check
+    failed: each row that needs it then proves it itself and reports what goes wrong),
+    and the CPU seconds."""
     c0 = time.process_time()
     try:
-        names = proved_facts(*task)
+        ok = bundle_inductive(key)
     except Exception:               # noqa: BLE001 - the rows report it, one by one
-        names = None
-    return task, names, time.process_time() - c0
+        ok = None
+    return key, ok, time.process_time() - c0
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                      "unbounded": o.unbounded, "detail": out.detail,
                      **({"trace": out.trace} if out.trace else {})})
     _print_table(rows)
-    shared = (f", {settings.facts_cpu_seconds:.1f} CPU-s proving the facts rows share"
+    shared = (f", {settings.facts_cpu_seconds:.1f} CPU-s proving facts no row proves"
               if settings.facts_cpu_seconds else "")
     print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall{shared}"
           + (f"; {failed} UNEXPECTED" if failed else ""))
@@ -173,21 +175,32 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
     order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))   # longest first
     results: list[Outcome | None] = [None] * len(obs)
     deadline = time.monotonic() + SUITE_DEADLINE_S
-    # Each variant's facts (proved_facts) once, then to every worker: otherwise each
-    # worker proves them again for every variant it meets.
-    wanted = list(dict.fromkeys((o.variant, settings.timeout_ms) for o in obs if needs_facts(o)))
-    facts: dict[tuple[str, int], tuple[str, ...]] = {}
+    # The facts the other rows assume (proved_facts) are proved once, first: most by
+    # the lemma:/safety: rows that prove those bundles anyway, the rest as bare checks;
+    # their verdicts then go to every worker (else each re-proves them per variant).
+    t = settings.timeout_ms
+    wanted = {(v, names, t) for v in {o.variant for o in obs if needs_facts(o)} for names in fact_bundles(v)}
+    first = [i for i in order if fact_key(obs[i], t) in wanted]
+    bare = sorted(wanted - {fact_key(obs[i], t) for i in first})
+    verdicts: dict[FactKey, bool] = {}
+    timeout = lambda: max(deadline - time.monotonic(), 0.0)
     with get_context("fork").Pool(jobs) as pool:     # leaving the block terminates workers
         try:
-            found = pool.imap_unordered(_facts_of, wanted)
-            for _ in wanted:
-                key, names, cpu = found.next(timeout=max(deadline - time.monotonic(), 0.0))
+            rows = pool.imap_unordered(_run_one, [(i, settings, keys, {}) for i in first])
+            checks = pool.imap_unordered(_verdict, bare)
+            for _ in first:
+                i, out = rows.next(timeout=timeout())
+                results[i] = out
+                verdicts[fact_key(obs[i], t)] = out.result == "proved"
+            for _ in bare:
+                key, ok, cpu = checks.next(timeout=timeout())
                 settings.facts_cpu_seconds += cpu
-                if names is not None:
-                    facts[key] = names
-            it = pool.imap_unordered(_run_one, [(i, settings, keys, facts) for i in order])
-            for _ in order:
-                i, out = it.next(timeout=max(deadline - time.monotonic(), 0.0))
+                if ok is not None:
+                    verdicts[key] = ok
+            done = set(first)
+            it = pool.imap_unordered(_run_one, [(i, settings, keys, verdicts) for i in order if i not in done])
+            for _ in range(len(order) - len(done)):
+                i, out = it.next(timeout=timeout())
                 results[i] = out
         except TimeoutError:
             return None

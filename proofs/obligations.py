@@ -81,7 +81,7 @@ def bundle(variant: Variant, inv: str) -> list[str]:
 class Settings:
     traces: Path
     timeout_ms: int = 20_000
-    facts_cpu_seconds: float = 0.0  # proofs/cli.py: proving the facts the workers share (in no row)
+    facts_cpu_seconds: float = 0.0  # proofs/cli.py: facts the workers share that no row proves
 
 
 @dataclass
@@ -130,33 +130,53 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
                       if symbolic else ""))
 
 
-# Facts proved by another worker of this run (proofs/cli.py proves each variant's once,
-# then hands them to every worker): (variant, timeout_ms) -> facts.
-_SHARED_FACTS: dict[tuple[str, int], tuple[str, ...]] = {}
+FactKey = tuple[str, tuple[str, ...], int]      # (variant, bundle, timeout_ms)
+# Bundles a worker of this same run found inductive or not (proofs/cli.py proves each
+# once, most of them as their own lemma:/safety: rows, and hands the verdicts to every
+# worker); never anything from an earlier run.
+_SHARED_VERDICTS: dict[FactKey, bool] = {}
 
 
-def share_facts(facts: dict[tuple[str, int], tuple[str, ...]]) -> None:
-    """Take the facts a worker of this same run proved (never anything from an earlier run)."""
-    _SHARED_FACTS.update(facts)
+def share_facts(verdicts: dict[FactKey, bool]) -> None:
+    _SHARED_VERDICTS.update(verdicts)
+
+
+def fact_bundles(variant: str) -> list[tuple[str, ...]]:
+    """The candidate facts of a variant: the slot lemmas, then each expected safety bundle."""
+    v = ALL_VARIANTS[variant]
+    return [tuple(SLOT_LEMMAS)] + [tuple(bundle(v, inv)) for inv in PROVED.get(variant, ())]
+
+
+def bundle_inductive(key: FactKey) -> bool:
+    """Initiation and consecution of the bundle all unsat (as its lemma:/safety: row)."""
+    hit = _SHARED_VERDICTS.get(key)
+    if hit is None:
+        variant, names, timeout_ms = key
+        hit = not prove_inductive(ALL_VARIANTS[variant], list(names), timeout_ms).failures("unsat")
+    return hit
 
 
 @lru_cache(maxsize=None)
 def proved_facts(variant: str, timeout_ms: int = 20_000) -> tuple[str, ...]:
     """The facts this run proves for the variant (unbounded): every candidate bundle
-    (the slot lemmas, then each expected safety bundle) is checked here and only those
-    found inductive count. Assumed on every unrolled frame to prune the bounded
-    search (sound: they hold in every reachable state); nothing is assumed that this
-    run has not just proved (here, cached per process, or by the worker share_facts
-    heard from)."""
-    shared = _SHARED_FACTS.get((variant, timeout_ms))
-    if shared is not None:
-        return shared
-    v = ALL_VARIANTS[variant]
+    (fact_bundles) is checked and only those found inductive count. Assumed on every
+    unrolled frame to prune the bounded search (sound: they hold in every reachable
+    state); nothing is assumed that this run has not just proved (here, cached per
+    process, or by the worker whose verdict share_facts took)."""
     facts: set[str] = set()
-    for names in [SLOT_LEMMAS] + [bundle(v, inv) for inv in PROVED.get(variant, ())]:
-        if not prove_inductive(v, names, timeout_ms).failures("unsat"):
+    for names in fact_bundles(variant):
+        if bundle_inductive((variant, names, timeout_ms)):
             facts |= set(names)
     return tuple(sorted(facts))
+
+
+def fact_key(ob: Obligation, timeout_ms: int) -> FactKey | None:
+    """The candidate fact bundle this row proves, if it proves one: its result is then
+    the bundle's verdict ("proved" exactly when every query came back unsat)."""
+    if ob.check is not _inductive or ob.arg == "bounded_wait":
+        return None
+    names = tuple(bundle(ALL_VARIANTS[ob.variant], ob.arg) if ob.arg in BUNDLES else SLOT_LEMMAS)
+    return (ob.variant, names, timeout_ms) if names in fact_bundles(ob.variant) else None
 
 
 def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
