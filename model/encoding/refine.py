@@ -204,6 +204,9 @@ class Checker:
         self._from: Any = None
         self._answers: dict[tuple[int, ...], tuple[str, tuple]] = {}
         self._ands: dict[tuple[int, ...], tuple[z3.BoolRef, list]] = {}
+        self._const_key = {c.get_id(): key for key, c in self.consts.items()}
+        self._read_cache: dict[int, tuple[tuple, z3.ExprRef]] = {}
+        self._pins: dict[tuple, z3.ExprRef] = {}
         self._bools = [z3.BoolVal(True), z3.BoolVal(False)]      # alive: their ids stay theirs
         self._bool_ids = {self._bools[0].get_id(): True, self._bools[1].get_id(): False}
 
@@ -236,6 +239,29 @@ class Checker:
                 out = z3.BoolVal(value) if rng == "Bool" else z3.IntVal(value)
             self._vals[cache_key] = out
         return out
+
+    def _reads(self, t: z3.ExprRef) -> tuple[tuple, ...]:
+        """The pre-state constants ``t`` mentions (their keys), found once per term."""
+        hit = self._read_cache.get(t.get_id())
+        if hit is None:
+            seen: set[int] = set()
+            stack, found = [t], set()
+            while stack:
+                x = stack.pop()
+                i = x.get_id()
+                if i in seen:
+                    continue
+                seen.add(i)
+                if z3.is_quantifier(x):
+                    stack.append(x.body())
+                elif z3.is_app(x):          # (a bound variable is neither)
+                    if x.num_args() == 0:
+                        if i in self._const_key:
+                            found.add(self._const_key[i])
+                    else:
+                        stack.extend(x.children())
+            hit = self._read_cache[t.get_id()] = (tuple(sorted(found)), t)   # t kept alive
+        return hit[0]
 
     def _known(self, t: z3.ExprRef) -> bool | None:
         """True or False where the simplifier decided ``t``, else None (z3.is_true and
@@ -275,13 +301,26 @@ class Checker:
         n = len(self.consts)
         if self._from is None:
             self._from = (z3.Ast * n)(*(c.as_ast() for c in self.consts.values()))
-        values = [self._z3(key, before[key]) for key in self.consts]
-        to = (z3.Ast * n)(*(v.as_ast() for v in values))
+        to: list = []                   # this state's values, built on the first miss
         zctx = self.ctx.sorts["Int"].ctx
 
-        def pinned(t: z3.ExprRef) -> z3.ExprRef:
-            sub = Z3_substitute(zctx.ref(), t.as_ast(), n, self._from, to)
-            return z3.simplify(_to_expr_ref(sub, zctx))
+        def pinned(t: z3.ExprRef, reused: bool = False) -> z3.ExprRef:
+            """``t`` with this state's values put in, simplified. ``reused`` (a guard):
+            the result depends only on the values of the constants ``t`` reads, and
+            most states repeat those of an earlier one (a land reads its own rank's and
+            request's entries), so it is computed once per distinct reading. (Not for
+            the successor terms: many distinct ones, each read once or twice, and
+            finding what a term reads costs more than pinning it.)"""
+            key = (t.get_id(), tuple(before[k] for k in self._reads(t))) if reused else None
+            hit = self._pins.get(key) if reused else None
+            if hit is None:
+                if not to:
+                    to.append((z3.Ast * n)(*(self._z3(k, before[k]).as_ast() for k in self.consts)))
+                sub = Z3_substitute(zctx.ref(), t.as_ast(), n, self._from, to[0])
+                hit = z3.simplify(_to_expr_ref(sub, zctx))
+                if reused:
+                    self._pins[key] = hit
+            return hit
         self.report.states += 1
         for ev in events:
             self.report.events += 1
@@ -315,7 +354,7 @@ class Checker:
         return before[key] == value
 
     def _check_event(self, e: _Eval, before: dict[tuple, Any],
-                     pinned: Callable[[z3.ExprRef], z3.ExprRef], state: SystemState, ev: Event) -> str:
+                     pinned: Callable[..., z3.ExprRef], state: SystemState, ev: Event) -> str:
         nxt = state.copy()
         try:
             apply(nxt, ev, detail=False)
@@ -324,7 +363,7 @@ class Checker:
             allowed = False
         misaligned = isinstance(ev, Step) and len({tuple(sorted(rs.queue)) for rs in state.ranks}) > 1
         allowed_enc = allowed and not (self.mode == "finite" and misaligned)
-        guard = pinned(e.guard)
+        guard = pinned(e.guard, reused=True)
         encoded = self._known(guard)
         if encoded is None:
             status = self._sat(guard)
