@@ -312,9 +312,10 @@ def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
     names = [ob.arg] + [n for n in (*extra, *facts) if n != ob.arg]
     names = list(dict.fromkeys(names))
     v = ALL_VARIANTS[ob.variant]
-    # Exact small universes first, smallest first (quantifier-free in effect: a CTI in a
-    # fraction of a second, where the at-most query's quantifier search takes seconds,
-    # its time varying several-fold with the solver's state); then the at-most query.
+    # Exact small universes first, smallest first (the quantifiers range over a few
+    # named elements: a CTI in a fraction of a second, where the at-most query's
+    # quantifier search over fresh elements takes seconds, its time varying several-fold
+    # with the solver's state); then the at-most query.
     for universe in CTI_UNIVERSES[ob.arg in RELATIONAL:]:
         log = check_step(v, names, st.timeout_ms, describe=True, universe=universe)
         found = [r for _, r in log.queries if r.status == "sat"]
