@@ -238,7 +238,7 @@ class _Step:
     def sel(self, a: Action, tag: str) -> z3.BoolRef:
         return z3.Bool(f"sel_{a.name}{_ground_name(a)}@{tag}")
 
-    def at(self, ctx: Ctx, i: int) -> tuple[list[tuple[z3.BoolRef, Action]], list[z3.BoolRef]]:
+    def at(self, i: int) -> tuple[list[tuple[z3.BoolRef, Action]], list[z3.BoolRef]]:
         """Frame i -> i+1: the choices (selector, action) and the formulas to assert."""
         pairs = [(f, _renamed(f, f.name().replace("@a", f"@{i}")))
                  for f in _decls(self.pre)]
@@ -271,7 +271,7 @@ class Unrolling:
         if self._step is None:
             self._step = self._build_step()
         i = len(self.frames) - 1
-        choices, formulas = self._step.at(self.ctx, i)
+        choices, formulas = self._step.at(i)
         self.solver.add(*formulas)
         self.frames.append(self.ctx.declare_state(f"@{i + 1}"))
         self.choices.append(choices)
