@@ -12,7 +12,9 @@ from multiprocessing import TimeoutError, get_context
 from pathlib import Path
 from typing import NoReturn
 
-from proofs.obligations import ALL_VARIANTS, Obligation, Outcome, Settings, obligations, run_obligation
+from proofs.obligations import (ALL_VARIANTS, FactKey, Obligation, Outcome, Settings, bundle_inductive,
+                                fact_bundles, fact_key, needs_facts, obligations, run_obligation,
+                                share_facts)
 
 
 def _usage_error(prog: str) -> "callable":
@@ -50,10 +52,23 @@ def _select(args: argparse.Namespace) -> list[Obligation]:
     return obs
 
 
-def _run_one(index_and_settings: tuple[int, Settings, list[str]]) -> tuple[int, Outcome]:
-    i, settings, keys = index_and_settings
+def _run_one(task: tuple[int, Settings, list[str], dict]) -> tuple[int, Outcome]:
+    i, settings, keys, facts = task
+    share_facts(facts)
     by_key = {o.key: o for o in obligations()}
     return i, run_obligation(by_key[keys[i]], settings)
+
+
+def _verdict(key: FactKey) -> tuple[FactKey, bool | None, float]:
+    """A candidate fact bundle no selected row proves: its verdict (None if the check
+    failed: each row that needs it then proves it itself and reports what goes wrong),
+    and the CPU seconds."""
+    c0 = time.process_time()
+    try:
+        ok = bundle_inductive(key)
+    except Exception:               # noqa: BLE001 - the rows report it, one by one
+        ok = None
+    return key, ok, time.process_time() - c0
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -105,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
                      "unbounded": o.unbounded, "detail": out.detail,
                      **({"trace": out.trace} if out.trace else {})})
     _print_table(rows)
-    print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall"
+    shared = (f", {settings.facts_cpu_seconds:.1f} CPU-s proving facts no row proves"
+              if settings.facts_cpu_seconds else "")
+    print(f"{len(rows) - failed}/{len(rows)} as expected, {wall:.1f} s wall{shared}"
           + (f"; {failed} UNEXPECTED" if failed else ""))
     if args.json:
         try:
@@ -158,11 +175,32 @@ def _execute(obs: list[Obligation], settings: Settings, jobs: int) -> list[Outco
     order = sorted(range(len(obs)), key=lambda i: _cost_rank(obs[i]))   # longest first
     results: list[Outcome | None] = [None] * len(obs)
     deadline = time.monotonic() + SUITE_DEADLINE_S
+    # The facts the other rows assume (proved_facts) are proved once, first: most by
+    # the lemma:/safety: rows that prove those bundles anyway, the rest as bare checks;
+    # their verdicts then go to every worker (else each re-proves them per variant).
+    t = settings.timeout_ms
+    wanted = {(v, names, t) for v in {o.variant for o in obs if needs_facts(o)} for names in fact_bundles(v)}
+    first = [i for i in order if fact_key(obs[i], t) in wanted]
+    bare = sorted(wanted - {fact_key(obs[i], t) for i in first})
+    verdicts: dict[FactKey, bool] = {}
+    timeout = lambda: max(deadline - time.monotonic(), 0.0)
     with get_context("fork").Pool(jobs) as pool:     # leaving the block terminates workers
-        it = pool.imap_unordered(_run_one, [(i, settings, keys) for i in order])
         try:
-            for _ in order:
-                i, out = it.next(timeout=max(deadline - time.monotonic(), 0.0))
+            rows = pool.imap_unordered(_run_one, [(i, settings, keys, {}) for i in first])
+            checks = pool.imap_unordered(_verdict, bare)
+            for _ in first:
+                i, out = rows.next(timeout=timeout())
+                results[i] = out
+                verdicts[fact_key(obs[i], t)] = out.result == "proved"
+            for _ in bare:
+                key, ok, cpu = checks.next(timeout=timeout())
+                settings.facts_cpu_seconds += cpu
+                if ok is not None:
+                    verdicts[key] = ok
+            done = set(first)
+            it = pool.imap_unordered(_run_one, [(i, settings, keys, verdicts) for i in order if i not in done])
+            for _ in range(len(order) - len(done)):
+                i, out = it.next(timeout=timeout())
                 results[i] = out
         except TimeoutError:
             return None

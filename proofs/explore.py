@@ -180,7 +180,7 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
             if rank is None and isinstance(ev, Step) and state.steps >= steps:
                 continue
             nxt = _successor(state, ev)
-            apply(nxt, ev)
+            apply(nxt, ev, detail=False)     # no StepRecord: nothing here reads it
             if rank is None:
                 _cap_ages(nxt, cap)
                 keys = tuple(rs.key() for rs in nxt.ranks)

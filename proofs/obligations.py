@@ -81,6 +81,7 @@ def bundle(variant: Variant, inv: str) -> list[str]:
 class Settings:
     traces: Path
     timeout_ms: int = 20_000
+    facts_cpu_seconds: float = 0.0  # proofs/cli.py: facts the workers share that no row proves
 
 
 @dataclass
@@ -129,19 +130,53 @@ def _inductive(ob: Obligation, st: Settings) -> Outcome:
                       if symbolic else ""))
 
 
+FactKey = tuple[str, tuple[str, ...], int]      # (variant, bundle, timeout_ms)
+# Bundles a worker of this same run found inductive or not (proofs/cli.py proves each
+# once, most of them as their own lemma:/safety: rows, and hands the verdicts to every
+# worker); never anything from an earlier run.
+_SHARED_VERDICTS: dict[FactKey, bool] = {}
+
+
+def share_facts(verdicts: dict[FactKey, bool]) -> None:
+    _SHARED_VERDICTS.update(verdicts)
+
+
+def fact_bundles(variant: str) -> list[tuple[str, ...]]:
+    """The candidate facts of a variant: the slot lemmas, then each expected safety bundle."""
+    v = ALL_VARIANTS[variant]
+    return [tuple(SLOT_LEMMAS)] + [tuple(bundle(v, inv)) for inv in PROVED.get(variant, ())]
+
+
+def bundle_inductive(key: FactKey) -> bool:
+    """Initiation and consecution of the bundle all unsat (as its lemma:/safety: row)."""
+    hit = _SHARED_VERDICTS.get(key)
+    if hit is None:
+        variant, names, timeout_ms = key
+        hit = not prove_inductive(ALL_VARIANTS[variant], list(names), timeout_ms).failures("unsat")
+    return hit
+
+
 @lru_cache(maxsize=None)
 def proved_facts(variant: str, timeout_ms: int = 20_000) -> tuple[str, ...]:
     """The facts this run proves for the variant (unbounded): every candidate bundle
-    (the slot lemmas, then each expected safety bundle) is checked here and only those
-    found inductive count. Assumed on every unrolled frame to prune the bounded
-    search (sound: they hold in every reachable state); nothing is assumed that this
-    process has not just proved (cached per worker)."""
-    v = ALL_VARIANTS[variant]
+    (fact_bundles) is checked and only those found inductive count. Assumed on every
+    unrolled frame to prune the bounded search (sound: they hold in every reachable
+    state); nothing is assumed that this run has not just proved (here, cached per
+    process, or by the worker whose verdict share_facts took)."""
     facts: set[str] = set()
-    for names in [SLOT_LEMMAS] + [bundle(v, inv) for inv in PROVED.get(variant, ())]:
-        if not prove_inductive(v, names, timeout_ms).failures("unsat"):
+    for names in fact_bundles(variant):
+        if bundle_inductive((variant, names, timeout_ms)):
             facts |= set(names)
     return tuple(sorted(facts))
+
+
+def fact_key(ob: Obligation, timeout_ms: int) -> FactKey | None:
+    """The candidate fact bundle this row proves, if it proves one: its result is then
+    the bundle's verdict ("proved" exactly when every query came back unsat)."""
+    if ob.check is not _inductive or ob.arg == "bounded_wait":
+        return None
+    names = tuple(bundle(ALL_VARIANTS[ob.variant], ob.arg) if ob.arg in BUNDLES else SLOT_LEMMAS)
+    return (ob.variant, names, timeout_ms) if names in fact_bundles(ob.variant) else None
 
 
 def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
@@ -249,6 +284,9 @@ def _premises(ob: Obligation, st: Settings) -> Outcome:
 
 
 CTI_SIZES = Sizes(2, 2, 2)     # the sorts' bound for the sat searches (Ctx.at_most)
+# The exact universes a negative induction row tries before that bound (one rank
+# first, skipped for the invariants that compare ranks).
+CTI_UNIVERSES = (Sizes(1, 1, 1), Sizes(2, 1, 1), Sizes(2, 2, 1))
 
 
 def _cti_for(v: Variant, names: list[str], log, st: Settings) -> str:
@@ -273,7 +311,17 @@ def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
              or "queues_identical" in facts] if ob.arg == "bounded_wait" else []
     names = [ob.arg] + [n for n in (*extra, *facts) if n != ob.arg]
     names = list(dict.fromkeys(names))
-    log = check_step(ALL_VARIANTS[ob.variant], names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
+    v = ALL_VARIANTS[ob.variant]
+    # Exact small universes first, smallest first (the quantifiers range over a few
+    # named elements: a CTI in a fraction of a second, where the at-most query's
+    # quantifier search over fresh elements takes seconds, its time varying several-fold
+    # with the solver's state); then the at-most query.
+    for universe in CTI_UNIVERSES[ob.arg in RELATIONAL:]:
+        log = check_step(v, names, st.timeout_ms, describe=True, universe=universe)
+        found = [r for _, r in log.queries if r.status == "sat"]
+        if found:
+            return Outcome("not inductive", found[0].reason)
+    log = check_step(v, names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
     found = [(label, r) for label, r in log.queries if r.status == "sat"]
     if found:
         return Outcome("not inductive", found[0][1].reason)
@@ -302,6 +350,11 @@ def _refines(ob: Obligation, st: Settings) -> Outcome:
 def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
     from proofs.crosscheck import crosscheck
     return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
+
+
+def needs_facts(ob: Obligation) -> bool:
+    """The row reads proved_facts (assumes them or names them)."""
+    return ob.check in (_counterexample, _lasso, _witness, _not_inductive, _consistent)
 
 
 # -- the list -------------------------------------------------------------------------------

@@ -47,13 +47,16 @@ def check_init(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000)
 
 def check_step(variant: Variant, names: Sequence[str], timeout_ms: int = 20_000,
                only: Sequence[str] = ACTION_NAMES, at_most: Sizes | None = None,
-               describe: bool = False) -> QueryLog:
+               describe: bool = False, universe: Sizes | None = None) -> QueryLog:
     """Unbounded consecution, one query per action: the conjunction before the action
     and its negation after it is unsat for every action. ``at_most`` bounds the sorts
     (Ctx.at_most) for a search that expects sat: a counterexample to induction then
     comes back fast, and ``describe`` puts it (pre-state, event, post-state) in the
-    result's ``reason``."""
-    ctx = Ctx(variant)
+    result's ``reason``. ``universe`` instead fixes each sort to exactly that many
+    elements (the interpreted reading of vocab.Ctx: the same unbounded code and
+    quantifiers over an enumeration), for a sat search: a model there is a model of
+    the unbounded query with that many elements."""
+    ctx = Ctx(variant, universe=universe)
     s = ctx.declare_state("")
     solver = Solver(timeout_ms)
     solver.add(*ctx.axioms, conj(ctx, s, names))
@@ -134,8 +137,9 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
     """A counterexample to induction from a model: its ranks and requests (the model's
     universe), the pre-state, the event with its arguments, the post-state, and which
     conjunct breaks."""
-    ranks = list(model.get_universe(ctx.sorts["Rank"]) or [])
-    reqs = list(model.get_universe(ctx.sorts["Req"]) or [])
+    # an interpreted context's sorts are enumerations (no universe in the model)
+    universe = lambda sort: ctx.elems.get(sort) or list(model.get_universe(ctx.sorts[sort]) or [])
+    ranks, reqs = universe("Rank"), universe("Req")
     label = {e.get_id(): f"rank{i}" for i, e in enumerate(ranks)}
     label.update({e.get_id(): f"req{i}" for i, e in enumerate(reqs)})
     for r in reqs:
@@ -148,7 +152,7 @@ def describe_cti(ctx: Ctx, s: State, a: Action, model: z3.ModelRef, names: Seque
             v = model.eval(a.params[key], model_completion=True)
             args.append(label.get(v.get_id(), str(v)).split("(")[0])
     expand = _OverUniverse(ctx, {"Rank": ranks, "Req": reqs,
-                                 "Slot": list(model.get_universe(ctx.sorts["Slot"]) or [])})
+                                 "Slot": universe("Slot")})
     broken = [n for n in names
               if z3.is_false(model.eval(PREDICATES[n](expand, a.post), model_completion=True))]
     if "bounded_wait" in names:
@@ -205,6 +209,50 @@ def _ground_name(a: Action) -> str:
     return "".join(f"_{v}" for k, v in sorted(a.params.items()) if k in ("rank", "req"))
 
 
+def _decls(s: State) -> list[z3.FuncDeclRef]:
+    """The declared symbols of a state, in SIGNATURE order (a 0-ary one as its constant's)."""
+    return [getattr(s, n) if args else getattr(s, n)().decl() for n, (args, _) in SIGNATURE.items()]
+
+
+def _renamed(f: z3.FuncDeclRef, name: str) -> z3.ExprRef:
+    """``name`` with ``f``'s signature, applied to the variables substitute_funs binds."""
+    g = z3.Function(name, *(f.domain(j) for j in range(f.arity())), f.range())
+    return g(*(z3.Var(j, f.domain(j)) for j in range(f.arity())))
+
+
+@dataclass
+class _Step:
+    """One transition built once over template frames ``@a`` -> ``@b`` (selectors of the
+    previous transition ``@p``); frame i gets it by renaming symbols, so the Python
+    construction of the actions (most of an unrolling's time) is paid once, not per
+    frame. Every frame's step is the same formula up to names: nothing in it depends on i."""
+    pre: State
+    post: State
+    acts: list[Action]
+    sels: list[z3.BoolRef]
+    prev: list[z3.BoolRef]
+    step: z3.BoolRef                # selection, guards, next frame, assumed invariants
+    order: z3.BoolRef               # the canonical order against the previous transition
+    fresh: list[z3.FuncDeclRef]     # per-frame fresh symbols (enqueue's pick, the havoc)
+
+    def sel(self, a: Action, tag: str) -> z3.BoolRef:
+        return z3.Bool(f"sel_{a.name}{_ground_name(a)}@{tag}")
+
+    def at(self, i: int) -> tuple[list[tuple[z3.BoolRef, Action]], list[z3.BoolRef]]:
+        """Frame i -> i+1: the choices (selector, action) and the formulas to assert."""
+        pairs = [(f, _renamed(f, f.name().replace("@a", f"@{i}")))
+                 for f in _decls(self.pre)]
+        pairs += [(f, _renamed(f, f.name().replace("@b", f"@{i + 1}"))) for f in _decls(self.post)]
+        sels = [self.sel(a, str(i)) for a in self.acts]
+        pairs += [(b.decl(), c) for b, c in zip(self.sels, sels)]
+        pairs += [(f, _renamed(f, f"{f.name()}@{i}")) for f in self.fresh]
+        out = [z3.substitute_funs(self.step, *pairs)]
+        if i > 0:
+            pairs += [(b.decl(), self.sel(a, str(i - 1))) for b, a in zip(self.prev, self.acts)]
+            out.append(z3.substitute_funs(self.order, *pairs))
+        return list(zip(sels, self.acts)), out
+
+
 class Unrolling:
     """An incremental unrolling of the finite transition relation from the initial states."""
 
@@ -217,21 +265,33 @@ class Unrolling:
         self.frames = [s0]
         self.choices: list[list[tuple[z3.BoolRef, Action]]] = []
         self.solver.add(*self.ctx.axioms, *self.ctx.well_formed(s0), init(self.ctx, s0))
+        self._step: _Step | None = None
 
     def extend(self) -> None:
-        ctx, s = self.ctx, self.frames[-1]
+        if self._step is None:
+            self._step = self._build_step()
         i = len(self.frames) - 1
-        nxt = ctx.declare_state(f"@{i + 1}")
+        choices, formulas = self._step.at(i)
+        self.solver.add(*formulas)
+        self.frames.append(self.ctx.declare_state(f"@{i + 1}"))
+        self.choices.append(choices)
+
+    def _build_step(self) -> _Step:
+        ctx = self.ctx
+        s, nxt = ctx.declare_state("@a"), ctx.declare_state("@b")
+        first_fresh = len(ctx.created)
         acts = ground_actions(ctx, s)
-        sels = [z3.Bool(f"sel_{a.name}{_ground_name(a)}@{i}") for a in acts]
-        self.solver.add(z3.PbEq([(b, 1) for b in sels], 1))
+        fresh = ctx.created[first_fresh:]
+        sels = [z3.Bool(f"sel_{a.name}{_ground_name(a)}@a") for a in acts]
+        prev = [z3.Bool(f"sel_{a.name}{_ground_name(a)}@p") for a in acts]
+        parts = [z3.PbEq([(b, 1) for b in sels], 1)]
         for b, a in zip(sels, acts):
             if a.name == "fence" and not fences_matter(ctx.variant):
                 # Without fence_before_reuse or deferral a fence only disables later lands:
                 # dropping it (and those lands) gives a shorter run agreeing on every invariant.
-                self.solver.add(z3.Not(b))
+                parts.append(z3.Not(b))
             else:
-                self.solver.add(z3.Implies(b, z3.simplify(z3.And(a.guard, *a.side))))
+                parts.append(z3.Implies(b, z3.simplify(z3.And(a.guard, *a.side))))
         # The next frame: one If-chain per function value over the actions that change it.
         for name, (args, _) in SIGNATURE.items():
             before = getattr(s, name)
@@ -244,13 +304,11 @@ class Unrolling:
                     term = z3.simplify(f(*xs))
                     if not term.eq(old):
                         value = z3.If(b, term, value)
-                self.solver.add(getattr(nxt, name)(*xs) == value)
+                parts.append(getattr(nxt, name)(*xs) == value)
         if self.assume:
-            self.solver.add(conj(ctx, nxt, self.assume))
-        self.frames.append(nxt)
-        self.choices.append(list(zip(sels, acts)))
-        if len(self.choices) > 1:
-            self.solver.add(self._canonical_order(self.choices[-2], self.choices[-1]))
+            parts.append(conj(ctx, nxt, self.assume))
+        order = self._canonical_order(list(zip(prev, acts)), list(zip(sels, acts)))
+        return _Step(s, nxt, acts, sels, prev, z3.And(parts), order, fresh)
 
     @staticmethod
     def _canonical_order(prev: list[tuple[z3.BoolRef, Action]],
@@ -280,10 +338,15 @@ class Unrolling:
                        pick(prev, rest, "rank") <= pick(cur, rest, "rank")))
 
     def check(self, goal: Goal) -> tuple[str, list[Move]]:
+        reach = goal(self.ctx, self.frames[-1])
         with self.solver.frame():
-            self.solver.add(goal(self.ctx, self.frames[-1]))
+            self.solver.add(reach)
             res = self.solver.check()
-            return res.status, (self._decode(res.model) if res.model is not None else [])
+        if res.status == "unsat":
+            # a fact now (no run of this length reaches the goal): said outright, it
+            # prunes the longer runs' search through this frame
+            self.solver.add(z3.Not(reach))
+        return res.status, (self._decode(res.model) if res.model is not None else [])
 
     def _decode(self, model: z3.ModelRef) -> list[Move]:
         ctx = self.ctx

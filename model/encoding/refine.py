@@ -169,6 +169,9 @@ class _Eval:
     guard: z3.BoolRef                  # guard and side axioms
     post: dict[tuple, z3.ExprRef]      # (function, indices) -> term, where the action changes it
     kept: frozenset[str]               # functions the action leaves as they were
+    # (key, value) -> "the successor has value at key": the same few per event, asked
+    # for in most states (building a Z3 term costs more than looking it up)
+    agrees: dict[tuple, z3.BoolRef] = field(default_factory=dict)
 
 
 class Checker:
@@ -200,6 +203,12 @@ class Checker:
         self._vals: dict[Any, z3.ExprRef] = {}
         self._from: Any = None
         self._answers: dict[tuple[int, ...], tuple[str, tuple]] = {}
+        self._ands: dict[tuple[int, ...], tuple[z3.BoolRef, list]] = {}
+        self._const_key = {c.get_id(): key for key, c in self.consts.items()}
+        self._read_cache: dict[int, tuple[tuple, z3.ExprRef]] = {}
+        self._pins: dict[tuple, z3.ExprRef] = {}
+        self._bools = [z3.BoolVal(True), z3.BoolVal(False)]      # alive: their ids stay theirs
+        self._bool_ids = {self._bools[0].get_id(): True, self._bools[1].get_id(): False}
 
     def _eval(self, ev: Event) -> _Eval:
         e = self._evals.get(ev)
@@ -231,6 +240,42 @@ class Checker:
             self._vals[cache_key] = out
         return out
 
+    def _reads(self, t: z3.ExprRef) -> tuple[tuple, ...]:
+        """The pre-state constants ``t`` mentions (their keys), found once per term."""
+        hit = self._read_cache.get(t.get_id())
+        if hit is None:
+            seen: set[int] = set()
+            stack, found = [t], set()
+            while stack:
+                x = stack.pop()
+                i = x.get_id()
+                if i in seen:
+                    continue
+                seen.add(i)
+                if z3.is_quantifier(x):
+                    stack.append(x.body())
+                elif z3.is_app(x):          # (a bound variable is neither)
+                    if x.num_args() == 0:
+                        if i in self._const_key:
+                            found.add(self._const_key[i])
+                    else:
+                        stack.extend(x.children())
+            hit = self._read_cache[t.get_id()] = (tuple(sorted(found)), t)   # t kept alive
+        return hit[0]
+
+    def _known(self, t: z3.ExprRef) -> bool | None:
+        """True or False where the simplifier decided ``t``, else None (z3.is_true and
+        is_false cost several API calls each; an id lookup, one)."""
+        return self._bool_ids.get(t.get_id())
+
+    def _and(self, terms: list[z3.BoolRef]) -> z3.BoolRef:
+        """z3.And of the terms, built once per distinct list (states repeat them)."""
+        key = tuple(t.get_id() for t in terms)
+        hit = self._ands.get(key)
+        if hit is None:
+            hit = self._ands[key] = (z3.And(terms), terms)   # keeps the terms (and ids) alive
+        return hit[0]
+
     def _sat(self, *formulas: z3.BoolRef) -> str:
         """Satisfiability of pinned formulas. States that differ only where the action
         does not look pin to the same (hash-consed) formula: asked once."""
@@ -256,13 +301,26 @@ class Checker:
         n = len(self.consts)
         if self._from is None:
             self._from = (z3.Ast * n)(*(c.as_ast() for c in self.consts.values()))
-        values = [self._z3(key, before[key]) for key in self.consts]
-        to = (z3.Ast * n)(*(v.as_ast() for v in values))
+        to: list = []                   # this state's values, built on the first miss
         zctx = self.ctx.sorts["Int"].ctx
 
-        def pinned(t: z3.ExprRef) -> z3.ExprRef:
-            sub = Z3_substitute(zctx.ref(), t.as_ast(), n, self._from, to)
-            return z3.simplify(_to_expr_ref(sub, zctx))
+        def pinned(t: z3.ExprRef, reused: bool = False) -> z3.ExprRef:
+            """``t`` with this state's values put in, simplified. ``reused`` (a guard):
+            the result depends only on the values of the constants ``t`` reads, and
+            most states repeat those of an earlier one (a land reads its own rank's and
+            request's entries), so it is computed once per distinct reading. (Not for
+            the successor terms: many distinct ones, each read once or twice, and
+            finding what a term reads costs more than pinning it.)"""
+            key = (t.get_id(), tuple(before[k] for k in self._reads(t))) if reused else None
+            hit = self._pins.get(key) if reused else None
+            if hit is None:
+                if not to:
+                    to.append((z3.Ast * n)(*(self._z3(k, before[k]).as_ast() for k in self.consts)))
+                sub = Z3_substitute(zctx.ref(), t.as_ast(), n, self._from, to[0])
+                hit = z3.simplify(_to_expr_ref(sub, zctx))
+                if reused:
+                    self._pins[key] = hit
+            return hit
         self.report.states += 1
         for ev in events:
             self.report.events += 1
@@ -283,10 +341,12 @@ class Checker:
             sb = z3.IntVal(before[("stamp", k, b)]) if sb is None else sb
             return sa < sb
         if key in e.post:
-            got = e.post[key]
-            if z3.is_bool(got):
-                return got if value else z3.Not(got)
-            return got == self._z3(key, value)
+            out = e.agrees.get((key, value))
+            if out is None:
+                got = e.post[key]
+                out = (got if value else z3.Not(got)) if z3.is_bool(got) else got == self._z3(key, value)
+                e.agrees[(key, value)] = out
+            return out
         if name == "pending":
             k, r = key[1:]
             return (before[("enq", r)] and not (before[("lr", k, r)] and before[("lp", k, r)])
@@ -294,7 +354,7 @@ class Checker:
         return before[key] == value
 
     def _check_event(self, e: _Eval, before: dict[tuple, Any],
-                     pinned: Callable[[z3.ExprRef], z3.ExprRef], state: SystemState, ev: Event) -> str:
+                     pinned: Callable[..., z3.ExprRef], state: SystemState, ev: Event) -> str:
         nxt = state.copy()
         try:
             apply(nxt, ev, detail=False)
@@ -303,10 +363,9 @@ class Checker:
             allowed = False
         misaligned = isinstance(ev, Step) and len({tuple(sorted(rs.queue)) for rs in state.ranks}) > 1
         allowed_enc = allowed and not (self.mode == "finite" and misaligned)
-        guard = pinned(e.guard)
-        if z3.is_true(guard) or z3.is_false(guard):
-            encoded = z3.is_true(guard)
-        else:
+        guard = pinned(e.guard, reused=True)
+        encoded = self._known(guard)
+        if encoded is None:
             status = self._sat(guard)
             if status == "unknown":
                 return "solver unknown on the guard"
@@ -334,10 +393,11 @@ class Checker:
         wrong = [label(k, v) for k, v, t in exact if t is False]
         terms = [(k, v, t) for k, v, t in exact if isinstance(t, z3.ExprRef)]
         if terms and not wrong:
-            conj = pinned(z3.And([t for _, _, t in terms]))
-            if z3.is_false(conj):
-                wrong = [label(k, v) for k, v, t in terms if z3.is_false(pinned(t))]
-            elif not z3.is_true(conj) and self._sat(guard, z3.Not(conj)) != "unsat":
+            conj = pinned(self._and([t for _, _, t in terms]))
+            known = self._known(conj)
+            if known is False:
+                wrong = [label(k, v) for k, v, t in terms if self._known(pinned(t)) is False]
+            elif known is None and self._sat(guard, z3.Not(conj)) != "unsat":
                 return "successor not determined: an allowed post-state differs from the spec's"
         if wrong:
             return f"successor differs: the encoding never has {', '.join(wrong[:4])}"
@@ -345,7 +405,7 @@ class Checker:
             if any(t is False for _, _, t in loose):
                 return "the spec's successor is not among the allowed post-states"
             rest = [t for _, _, t in exact + loose if isinstance(t, z3.ExprRef)]
-            if self._sat(guard, pinned(z3.And(rest))) != "sat":
+            if self._sat(guard, pinned(self._and(rest))) != "sat":
                 return "the spec's successor is not among the allowed post-states"
             self.report.at_least += 1
         else:

@@ -170,6 +170,9 @@ class Ctx:
         self.payload = z3.Function("payload", req, z3.IntSort())
         self.idx = z3.Function("enqueue_index", req, z3.IntSort())
         self._count = itertools.count()
+        # every fresh symbol, in creation order: a finite unrolling renames those of
+        # its one-step template per frame (checks.Unrolling)
+        self.created: list[z3.FuncDeclRef] = []
         self.axioms: list[z3.BoolRef] = []
         if isinstance(variant.timeout_steps, z3.ExprRef):    # a symbolic bound: any T >= 1
             self.axioms.append(variant.timeout_steps >= 1)
@@ -189,10 +192,14 @@ class Ctx:
 
     # -- names ------------------------------------------------------------------------
     def fresh(self, name: str, sort: str) -> z3.ExprRef:
-        return z3.Const(f"{name}!{next(self._count)}", self.sorts[sort])
+        c = z3.Const(f"{name}!{next(self._count)}", self.sorts[sort])
+        self.created.append(c.decl())
+        return c
 
     def fresh_fn(self, name: str, *sorts: str) -> z3.FuncDeclRef:
-        return z3.Function(f"{name}!{next(self._count)}", *(self.sorts[s] for s in sorts))
+        f = z3.Function(f"{name}!{next(self._count)}", *(self.sorts[s] for s in sorts))
+        self.created.append(f)
+        return f
 
     # -- quantifiers ----------------------------------------------------------------------
     def forall(self, sorts: Sequence[str], body: Callable[..., Any]) -> z3.BoolRef:
