@@ -327,14 +327,14 @@ class Simulation:
 
     def _enqueue(self, i: int, now: float) -> None:
         ch, j = self.d.row(i)
-        if self.trace is None:       # the spec's transition, minus an event object
-            try:
-                enqueue(self.state, i, ch.room[j], ch.payload[j])
-            except EventNotEnabled as exc:
-                _refused(exc)
-            self.since_poll += 1
-        else:
-            self._env_events([Enqueue(i, ch.room[j], ch.payload[j])], now)
+        room, payload = ch.room[j], ch.payload[j]
+        try:
+            enqueue(self.state, i, room, payload)     # apply(Enqueue) without the event object
+        except EventNotEnabled as exc:
+            _refused(exc)
+        self.since_poll += 1
+        if self.trace is not None:
+            self.trace.event(Enqueue(i, room, payload), now)
         self.in_pool += 1
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)
