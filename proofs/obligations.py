@@ -315,16 +315,13 @@ def _not_inductive(ob: Obligation, st: Settings) -> Outcome:
     # Exact small universes first, smallest first (the quantifiers range over a few
     # named elements: a CTI in a fraction of a second, where the at-most query's
     # quantifier search over fresh elements takes seconds, its time varying several-fold
-    # with the solver's state); then the at-most query.
-    for universe in CTI_UNIVERSES[ob.arg in RELATIONAL:]:
-        log = check_step(v, names, st.timeout_ms, describe=True, universe=universe)
+    # with the solver's state); then the at-most query, whose log decides the rest.
+    searches = [dict(universe=u) for u in CTI_UNIVERSES[ob.arg in RELATIONAL:]]
+    for search in [*searches, dict(at_most=CTI_SIZES)]:
+        log = check_step(v, names, st.timeout_ms, describe=True, **search)
         found = [r for _, r in log.queries if r.status == "sat"]
         if found:
             return Outcome("not inductive", found[0].reason)
-    log = check_step(v, names, st.timeout_ms, at_most=CTI_SIZES, describe=True)
-    found = [(label, r) for label, r in log.queries if r.status == "sat"]
-    if found:
-        return Outcome("not inductive", found[0][1].reason)
     unknown = log.failures("unsat")
     if unknown:
         return Outcome("unknown", "; ".join(unknown))
