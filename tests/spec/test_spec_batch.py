@@ -14,7 +14,7 @@ from model.spec.machine import EventNotEnabled, StepPops, apply
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS, get_variant
 
-from .walks import random_walk
+from .walks import compare_with_apply, random_walk
 
 ALL = [*VARIANTS.values(), *ABLATIONS.values(), get_variant("strict", 1), get_variant("strict", 2)]
 
@@ -99,26 +99,15 @@ def _code(ev, ranks: int) -> int:
     return kind * ranks + ev.rank
 
 
+def _odd(rng: random.Random, ranks: int, nxt: int):
+    k, r = rng.randrange(ranks), rng.randint(0, nxt + 1)
+    return rng.choice([KvDone(k, r), Fail(k, r), Land(k, r, rng.choice([ROOM, PAYLOAD]))])
+
+
 def test_deliver_matches_apply_including_refused_events():
-    rng = random.Random(12)
-    delivered = refused = 0
-    for _ in range(200):
-        ref = initial_state(rng.choice(ALL), rng.randint(1, 3), rng.randint(1, 3))
-        fast = ref.copy()
-        n = ref.n_ranks
-        for ev, nxt in random_walk(rng, ref, 50):
-            apply(ref, ev)
-            if isinstance(ev, (KvDone, Fail, Land)):
-                deliver(fast, ev.req, [_code(ev, n)])
-                delivered += 1
-            else:
-                apply(fast, ev)
-            k, r = rng.randrange(n), rng.randint(0, nxt + 1)
-            odd = rng.choice([KvDone(k, r), Fail(k, r), Land(k, r, rng.choice([ROOM, PAYLOAD]))])
-            msg = _step(lambda s: apply(s, odd), ref)
-            assert _step(lambda s: deliver(s, odd.req, [_code(odd, n)]), fast) == msg
-            refused += msg is not None
-            assert fast.key() == ref.key()
+    delivered, refused = compare_with_apply(
+        random.Random(12), ALL, lambda s, ev: deliver(s, ev.req, [_code(ev, s.n_ranks)]),
+        (KvDone, Fail, Land), _odd)
     assert delivered > 1000 and refused > 1000
     with pytest.raises(EventNotEnabled, match="event code"):
         deliver(initial_state(VARIANTS["gate"], 2, 1), 0, [8])

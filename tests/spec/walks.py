@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 from model.spec.events import Enqueue, Event
-from model.spec.machine import enabled
-from model.spec.state import SystemState
+from model.spec.machine import EventNotEnabled, apply, enabled
+from model.spec.state import SystemState, initial_state
+from model.spec.variants import Variant
 
 
 def random_walk(rng: random.Random, state: SystemState, moves: int) -> Iterator[tuple[Event, int]]:
@@ -21,3 +22,38 @@ def random_walk(rng: random.Random, state: SystemState, moves: int) -> Iterator[
         ev = rng.choice(events)
         nxt += isinstance(ev, Enqueue)
         yield ev, nxt
+
+
+def refusal(fn: Callable[[SystemState, Event], None], state: SystemState, ev: Event) -> str | None:
+    """``fn(state, ev)``'s EventNotEnabled message, or None where it was allowed."""
+    try:
+        fn(state, ev)
+    except EventNotEnabled as exc:
+        return str(exc)
+    return None
+
+
+def compare_with_apply(rng: random.Random, variants: Sequence[Variant], form: Callable[[SystemState, Event], None],
+                       handles: tuple[type, ...], odd: Callable[[random.Random, int, int], Event],
+                       walks: int = 200, moves: int = 50) -> tuple[int, int]:
+    """``form`` (a second way to perform events of the types ``handles``) against
+    ``apply`` on random walks: after every move, a random, often refused, event
+    ``odd(rng, ranks, requests so far)`` gives both the same message (or none), and the
+    states stay equal. Returns (events performed by ``form``, odd events refused)."""
+    formed = refused = 0
+    for _ in range(walks):
+        ref = initial_state(rng.choice(variants), rng.randint(1, 3), rng.randint(1, 3))
+        twin = ref.copy()
+        for ev, nxt in random_walk(rng, ref, moves):
+            apply(ref, ev)
+            if isinstance(ev, handles):
+                form(twin, ev)
+                formed += 1
+            else:
+                apply(twin, ev)
+            bad = odd(rng, ref.n_ranks, nxt)
+            msg = refusal(apply, ref, bad)
+            assert refusal(form, twin, bad) == msg
+            refused += msg is not None
+            assert twin.key() == ref.key()
+    return formed, refused
