@@ -7,6 +7,7 @@ import math
 import sys
 from typing import Any, Callable, NoReturn
 
+from model.spec.timeouts import STEP_FLOOR_S
 from model.spec.variants import VARIANTS
 from sim.config import ALLREDUCE_ALPHA_MS, ALLREDUCE_BETA_MS, TE_GBPS, SimConfig, Stall
 from sim.dists import parse_dist, parse_rank_dists, parse_skew
@@ -117,8 +118,8 @@ def add_model_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
                    help="strict's timeout as a step count instead of --gate-timeout-s")
     c.add_argument("--release-timeout-s", type=positive_float, metavar="S",
                    help="the deferred variants' release timeout in seconds (default 30)")
-    c.add_argument("--timeout-step-floor", type=positive_float, default=1.0, metavar="MS",
-                   help="the shortest scheduler step the seconds-to-steps conversion assumes (ms)")
+    c.add_argument("--timeout-step-floor", type=positive_float, default=STEP_FLOOR_S * 1000, metavar="MS",
+                   help="the shortest scheduler step the seconds-to-steps conversion assumes (ms, default 1)")
     f = p.add_argument_group("faults")
     f.add_argument("--fail-prob", type=probability, default=0.0,
                    help="per request: one rank's transfer fails")
