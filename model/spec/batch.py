@@ -13,18 +13,19 @@ so the pop and release rules have one implementation.
 
 ``deliver(state, req, codes)`` performs one request's KV and metadata events on any
 ranks, each encoded as ``kind * ranks + rank`` (kinds below): the same transitions as
-``apply`` of KvDone / Fail / Land one by one, through machine.py's own ``_latch`` and
-``_land`` (so the same rules and refusals), minus an event object and a dispatch per
-event (also checked against apply in tests/spec/test_spec_batch.py).
+``apply`` of KvDone / Fail / Land one by one, through machine.py's ``_arrive`` (the one
+transition of those events, so the same rules and refusals) in one call, minus an
+event object and a dispatch per event (also checked against apply in
+tests/spec/test_spec_batch.py).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from model.spec.events import PAYLOAD, ROOM, Step
-from model.spec.machine import (_NO_DEFERRAL, EventNotEnabled, StepPops, _land, _latch, _pop,
-                                _require_live, _tables, apply)
-from model.spec.kvpoll import KVPoll
+from model.spec.events import Step
+from model.spec.machine import (_NO_DEFERRAL, KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS,  # noqa: F401
+                                EventNotEnabled, StepPops, _arrive, _pop, _require_live, _tables,
+                                apply)
 from model.spec.state import SystemState
 
 _STEP = Step()
@@ -123,12 +124,6 @@ class Stepper:
         return rec
 
 
-# deliver()'s event kinds (code = kind * ranks + rank)
-KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS = range(4)
-_LATCH = (int(KVPoll.Success), int(KVPoll.Failed))
-_WHAT = ("kv_done", "fail")
-
-
 def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     """``apply`` of each encoded event of request ``req`` in order (see the module doc);
     a refused event raises EventNotEnabled after the ones before it were performed."""
@@ -137,11 +132,11 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     decode = _DECODE.get(n)
     if decode is None:
         decode = _DECODE[n] = tuple(divmod(c, n) for c in range(4 * n))
-    for code in codes:
-        if not 0 <= code < 4 * n:
-            raise EventNotEnabled(f"deliver: event code {code} is not one of 0..{4 * n - 1}")
-        kind, k = decode[code]
-        if kind < PAYLOAD_LANDS:
-            _latch(state, k, req, _LATCH[kind], _WHAT[kind])
-        else:
-            _land(state, k, req, ROOM if kind == ROOM_LANDS else PAYLOAD)
+    try:
+        events = [decode[c] for c in codes]
+    except (IndexError, TypeError):
+        events = None
+    if events is None or min(codes, default=0) < 0:     # a negative index would wrap
+        bad = next(c for c in codes if not (isinstance(c, int) and 0 <= c < 4 * n))
+        raise EventNotEnabled(f"deliver: event code {bad} is not one of 0..{4 * n - 1}")
+    _arrive(state, req, events)

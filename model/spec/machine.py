@@ -75,18 +75,77 @@ def _rank(state: SystemState, rank: int) -> RankState:
     return ranks[rank]
 
 
+# The KV and metadata events of one request, as (kind, rank) pairs for ``_arrive``.
+KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS = range(4)
+_KIND_WHAT = ("kv_done", "fail", PAYLOAD, ROOM)
+_KIND_VALUE = (_SUCCESS, _FAILED, PAYLOAD_BIT, ROOM_BIT)   # the latched poll, the landed bit
+
+
+def _arrive(state: SystemState, req: int, events: Iterable[tuple[int, int]]) -> None:
+    """Each (kind, rank) event of request ``req`` in order, ranks in range (the callers
+    check): the one transition of KvDone, Fail and Land. ``apply`` performs one event
+    through it, batch.deliver many (a request's events on eight ranks in one call). A
+    refused event raises EventNotEnabled after the ones before it were performed.
+
+    KV_DONE / KV_FAILED: the rank's receiver reports Success / Failed. It latches, except
+    that a Failed still overrides a latched Success while the request is queued (the gate
+    may be holding it: the failure is honoured, and the MIN aborts it on every rank).
+    PAYLOAD_LANDS / ROOM_LANDS: that field of the request's metadata row becomes visible
+    in its slot on the rank (the room only after the payload where the variant writes it
+    after the payload completed); the last write of a popped request frees its
+    quarantined slot."""
+    ranks = state.ranks
+    room_after_payload = state.variant.room_after_payload
+    written: Request | None = None
+    for kind, k in events:
+        rs = ranks[k]
+        value = _KIND_VALUE[kind]
+        if kind < PAYLOAD_LANDS:
+            recv = rs.recv
+            current = recv.get(req)
+            if current is None or current == _FAILED or (current == _SUCCESS and kind == KV_DONE):
+                raise _refusal(state, req, kind, k)
+            recv[req] = value
+            continue
+        landed = rs.landed.get(req)
+        if landed is None or landed & value or req in rs.fenced or (
+                room_after_payload and value == ROOM_BIT and not landed & PAYLOAD_BIT):
+            raise _refusal(state, req, kind, k)
+        if written is None:
+            written = state.requests[req]
+        if value == ROOM_BIT:
+            rs.room_at[rs.slot_of[req]] = written.room
+        else:
+            rs.payload_at[rs.slot_of[req]] = written.payload
+        rs.landed[req] = landed | value
+        if req in rs.outcomes:      # still queued: quarantine and forgetting follow a pop
+            _writes_done(state, rs, req)
+
+
+def _refusal(state: SystemState, req: int, kind: int, k: int) -> EventNotEnabled:
+    """Why ``_arrive`` refuses event (kind, k) of ``req``."""
+    rs, what = state.ranks[k], _KIND_WHAT[kind]
+    if kind < PAYLOAD_LANDS:
+        current = rs.recv.get(req)
+        if current is None:
+            return EventNotEnabled(f"{what}: request {req} is not in rank {k}'s transfer queue")
+        return EventNotEnabled(f"{what}: request {req} on rank {k} already latched "
+                               f"{KVPoll(current).name}")
+    landed = rs.landed.get(req)
+    if landed is None:
+        return EventNotEnabled(f"land: request {req} has no write in flight to rank {k}")
+    if landed & _KIND_VALUE[kind]:
+        return EventNotEnabled(f"land: {what} of request {req} already landed on rank {k}")
+    if req in rs.fenced:
+        return EventNotEnabled(f"land: request {req} is fenced on rank {k}")
+    return EventNotEnabled(f"land: room of request {req} before its payload on rank {k} "
+                           f"(variant writes the room after the payload completed)")
+
+
 def _latch(state: SystemState, rank: int, req: int, value: int, what: str) -> None:
-    """The receiver of ``req`` on ``rank`` reports ``value``. It latches, except that a
-    Failed still overrides a latched Success while the request is queued (the gate may
-    be holding it: the failure is honoured, and the MIN aborts it on every rank)."""
-    recv = _rank(state, rank).recv
-    current = recv.get(req)
-    if current is None:
-        raise EventNotEnabled(f"{what}: request {req} is not in rank {rank}'s transfer queue")
-    if current == _FAILED or (current == _SUCCESS and value != _FAILED):
-        raise EventNotEnabled(f"{what}: request {req} on rank {rank} already latched "
-                              f"{KVPoll(current).name}")
-    recv[req] = value
+    """One KvDone (``value`` Success) or Fail (Failed): see ``_arrive``."""
+    _rank(state, rank)
+    _arrive(state, req, ((KV_DONE if value == _SUCCESS else KV_FAILED, rank),))
 
 
 def _free_slot(state: SystemState, rs: RankState, req: int) -> None:
@@ -104,20 +163,6 @@ def _forget_if_done(rs: RankState, req: int) -> None:
         rs.landed.pop(req, None)
         rs.slot_of.pop(req, None)
         rs.fenced.discard(req)
-
-
-def _release(state: SystemState, rs: RankState, req: int, decision: int | None = None) -> None:
-    """After a pop: free the slot now, hold it (a failed request where the variant defers
-    its release), or quarantine it until its writes are fenced."""
-    v = state.variant
-    if decision == _ABORT_FAILED and v.defer_failed is not _NO_DEFERRAL:
-        rs.held[req] = 0
-        return
-    if v.fence_before_reuse and rs.landed[req] != ALL_FIELDS and req not in rs.fenced:
-        rs.quarantined.add(req)         # writes still pending: the slot waits for them
-    else:
-        _free_slot(state, rs, req)
-    _forget_if_done(rs, req)
 
 
 def _writes_done(state: SystemState, rs: RankState, req: int) -> None:
@@ -162,28 +207,12 @@ def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
 
 
 def _land(state: SystemState, rank: int, req: int, field: str) -> None:
-    rs = _rank(state, rank)
+    """One Land of ``field``: see ``_arrive``."""
     bit = _FIELD_BIT.get(field)
     if bit is None:
         raise EventNotEnabled(f"land: unknown field {field!r} (room or payload)")
-    landed = rs.landed.get(req)
-    if landed is None:
-        raise EventNotEnabled(f"land: request {req} has no write in flight to rank {rank}")
-    if landed & bit:
-        raise EventNotEnabled(f"land: {field} of request {req} already landed on rank {rank}")
-    if req in rs.fenced:
-        raise EventNotEnabled(f"land: request {req} is fenced on rank {rank}")
-    if state.variant.room_after_payload and bit == ROOM_BIT and not landed & PAYLOAD_BIT:
-        raise EventNotEnabled(f"land: room of request {req} before its payload on rank "
-                              f"{rank} (variant writes the room after the payload completed)")
-    written = state.requests[req]
-    slot = rs.slot_of[req]
-    if bit == ROOM_BIT:
-        rs.room_at[slot] = written.room
-    else:
-        rs.payload_at[slot] = written.payload
-    rs.landed[req] = landed | bit
-    _writes_done(state, rs, req)
+    _rank(state, rank)
+    _arrive(state, req, ((ROOM_LANDS if bit == ROOM_BIT else PAYLOAD_LANDS, rank),))
 
 
 def _fence(state: SystemState, ev: Fence) -> None:
@@ -244,17 +273,20 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
                 age[r] += 1
         return [()] * len(group)
     requests = state.requests
+    v = state.variant
     # per request: its position, its reduced value's row of the pop table, its room
-    rows = [(pos, red * 8, r, requests[r].room) for pos, (red, r) in enumerate(zip(reduced, queue))]
+    rows = [(pos, red * 8, r, requests[r].room, (requests[r].room == 0) << 2)
+            for pos, (red, r) in enumerate(zip(reduced, queue))]
     out = []
     for rs in group:
         kept: list[int] = []
         popped: list[tuple[int, int, int]] = []
         positions: list[int] = []
         room_at, slot_of, payload_at = rs.room_at, rs.slot_of, rs.payload_at
-        for pos, row, r, expected in rows:
+        for pos, row, r, expected, zero_expected in rows:
             slot = slot_of[r]
-            d = pop[row + compare_index(room_at[slot], expected)]
+            seen = room_at[slot]      # kernel.compare_index, inline (a call per rank and request)
+            d = pop[row + ((seen == 0) | (seen == expected) << 1 | zero_expected)]
             if d == _KEEP:
                 kept.append(r)
                 continue
@@ -264,12 +296,33 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
         for r in ageing:         # a popped one too: its age goes with it below
             age[r] += 1
         rs.queue = kept          # a new list: the one before the step stays intact
-        for r, d, payload in _release_order(state.variant, popped, positions):
-            del rs.recv[r], age[r]
-            rs.outcomes[r] = ("commit", payload) if d == _COMMIT else ("abort", d)
-            _release(state, rs, r, d)
+        if popped:
+            _leave(state, rs, _release_order(v, popped, positions))
         out.append(tuple(popped))
     return out
+
+
+def _leave(state: SystemState, rs: RankState, popped: Sequence[tuple[int, int, int]]) -> None:
+    """Popped requests leave one rank, in release order: the outcome is recorded, the
+    receiver and age dropped, and the slot freed now, held (a failed request where the
+    variant defers its release) or quarantined until its writes are fenced."""
+    v = state.variant
+    defer, quarantine = v.defer_failed is not _NO_DEFERRAL, v.fence_before_reuse
+    recv, age, outcomes, landed, fenced = rs.recv, rs.age, rs.outcomes, rs.landed, rs.fenced
+    for r, d, payload in popped:
+        del recv[r], age[r]
+        if d == _COMMIT:
+            outcomes[r] = ("commit", payload)
+        else:
+            outcomes[r] = ("abort", d)
+            if defer and d == _ABORT_FAILED:
+                rs.held[r] = 0
+                continue
+        if quarantine and landed[r] != ALL_FIELDS and r not in fenced:
+            rs.quarantined.add(r)           # writes still pending: the slot waits for them
+            continue
+        _free_slot(state, rs, r)
+        _forget_if_done(rs, r)
 
 
 def _release_order(v: Variant, popped: list, positions: list[int]) -> list:

@@ -43,7 +43,7 @@ def test_equal_rooms_and_zero_rooms_exhaustively():
 from model.spec.events import Enqueue, Step
 from model.spec.kernel import Decision as D
 from model.spec.kvpoll import CollectiveMismatch, min_reduce
-from model.spec.machine import RankStep, StepRecord, _release, _release_held, apply, enabled
+from model.spec.machine import RankStep, StepRecord, _leave, _release_held, apply, enabled
 from model.spec.variants import Deferral, FreeOrder
 
 
@@ -77,10 +77,7 @@ def naive_step(state):
         if v.free_order is FreeOrder.SET:      # SGLang frees in set(positions) order
             at = {before.index(p[0]): p for p in popped}
             order = [at[i] for i in set(at)]
-        for r, d, payload in order:
-            del rs.recv[r], rs.age[r]
-            rs.outcomes[r] = ("commit", payload) if d == D.COMMIT else ("abort", d)
-            _release(state, rs, r, d)
+        _leave(state, rs, order)
         records.append(RankStep(k, before, tuple(locals_[k]), tuple(gateds[k]), tuple(reduced),
                                 tuple(popped)))
     state.steps += 1

@@ -115,6 +115,40 @@ def test_deliver_matches_apply_including_refused_events():
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(ALL), st.integers(1, 8), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_deliver_of_many_events_is_apply_of_each_until_the_first_refused(variant, ranks, slots, rng):
+    """One deliver call of several events of a request (up to 24 on 8 ranks, often
+    refused part-way) leaves the state apply leaves after the events before the refused
+    one, and raises apply's message for it."""
+    ref = initial_state(variant, ranks, slots)
+    fast = ref.copy()
+    for ev, nxt in random_walk(rng, ref, 60):
+        apply(ref, ev)
+        apply(fast, ev)
+        r = rng.randint(0, nxt)
+        batch = [_odd_for(rng, ranks, r) for _ in range(rng.randint(1, 3 * ranks))]
+        want = None
+        for e in batch:
+            try:
+                apply(ref, e)
+            except EventNotEnabled as exc:
+                want = str(exc)
+                break
+        try:
+            deliver(fast, r, [_code(e, ranks) for e in batch])
+            got = None
+        except EventNotEnabled as exc:
+            got = str(exc)
+        assert got == want
+        assert fast.key() == ref.key()
+
+
+def _odd_for(rng: random.Random, ranks: int, r: int):
+    k = rng.randrange(ranks)
+    return rng.choice([KvDone(k, r), Fail(k, r), Land(k, r, rng.choice([ROOM, PAYLOAD]))])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(ALL), st.integers(1, 8), st.integers(1, 4), st.randoms(use_true_random=False))
 def test_grouped_pop_matches_apply_on_hypothesis_walks(variant, ranks, slots, rng):
     """machine._pop over every rank at once (step_pops, when the queues are equal) and
     each rank alone (apply): the same records and states step for step, up to 8 ranks."""
