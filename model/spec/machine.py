@@ -265,8 +265,8 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
     value keeps regardless of the rooms), ages of the kept, outcomes and slot release;
     returns what each rank of the group popped."""
     queue = group[0].queue
-    ageing = [r for red, r in zip(reduced, queue) if red >= _AGES_FROM]
     if pop is None:
+        ageing = [r for red, r in zip(reduced, queue) if red >= _AGES_FROM]
         for rs in group:
             age = rs.age
             for r in ageing:
@@ -274,27 +274,27 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
         return [()] * len(group)
     requests = state.requests
     v = state.variant
-    # per request: its position, its reduced value's row of the pop table, its room
-    rows = [(pos, red * 8, r, requests[r].room, (requests[r].room == 0) << 2)
+    # per request: its position, its reduced value's row of the pop table, its room,
+    # whether it ages if kept
+    rows = [(pos, red * 8, r, requests[r].room, (requests[r].room == 0) << 2, red >= _AGES_FROM)
             for pos, (red, r) in enumerate(zip(reduced, queue))]
     out = []
     for rs in group:
         kept: list[int] = []
         popped: list[tuple[int, int, int]] = []
         positions: list[int] = []
-        room_at, slot_of, payload_at = rs.room_at, rs.slot_of, rs.payload_at
-        for pos, row, r, expected, zero_expected in rows:
+        room_at, slot_of, payload_at, age = rs.room_at, rs.slot_of, rs.payload_at, rs.age
+        for pos, row, r, expected, zero_expected, ages in rows:
             slot = slot_of[r]
             seen = room_at[slot]      # kernel.compare_index, inline (a call per rank and request)
             d = pop[row + ((seen == 0) | (seen == expected) << 1 | zero_expected)]
             if d == _KEEP:
                 kept.append(r)
+                if ages:
+                    age[r] += 1
                 continue
             popped.append((r, d, payload_at[slot] if d == _COMMIT else 0))
             positions.append(pos)
-        age = rs.age
-        for r in ageing:         # a popped one too: its age goes with it below
-            age[r] += 1
         rs.queue = kept          # a new list: the one before the step stays intact
         if popped:
             _leave(state, rs, _release_order(v, popped, positions))
