@@ -145,9 +145,10 @@ def _fence_keeps_quarantine() -> None:
 def _no_clear_on_free() -> None:
     from model.spec import machine
 
-    def free_slot(state, rs, req):
-        rs.free.append(rs.slot_of[req])          # the row keeps the old room
-    _replace_everywhere(machine._free_slot, free_slot)
+    def free_slots(state, freed):
+        for rs, req in freed:
+            rs.free.append(rs.slot_of[req])      # the row keeps the old room
+    _replace_everywhere(machine._free_slots, free_slots)
 
 
 def _room_before_payload_allowed() -> None:

@@ -174,7 +174,7 @@ def _local_admission(ctx: Ctx, s: State, slot_ok: Callable[[Any], Any]
 
 def receiver(ctx: Ctx, s: State, name: str, value: int, k0: Any = None, r0: Any = None) -> Action:
     """kv_done (Success) latches a queued, unlatched receiver; fail (Failed) also
-    overrides a latched Success while the request is queued (as the spec's _latch)."""
+    overrides a latched Success while the request is queued (as the spec's _arrive)."""
     k0, r0 = _params(ctx, name, k0, r0)
     rv = s.recv(k0, r0)
     unlatched = [rv != FAILED] if value == FAILED else [rv != SUCCESS, rv != FAILED]

@@ -148,21 +148,26 @@ def _latch(state: SystemState, rank: int, req: int, value: int, what: str) -> No
     _arrive(state, req, ((KV_DONE if value == _SUCCESS else KV_FAILED, rank),))
 
 
-def _free_slot(state: SystemState, rs: RankState, req: int) -> None:
-    """The request's slot goes back to the free list (zeroed first where the variant does)."""
-    slot = rs.slot_of[req]
-    if state.variant.clear_on_free:
-        rs.room_at[slot] = 0
-    rs.free.append(slot)
+def _free_slots(state: SystemState, freed: Iterable[tuple[RankState, int]]) -> None:
+    """Each (rank, request)'s slot goes back to that rank's free list, in order (zeroed
+    first where the variant does)."""
+    clear = state.variant.clear_on_free
+    for rs, req in freed:
+        slot = rs.slot_of[req]
+        if clear:
+            rs.room_at[slot] = 0
+        rs.free.append(slot)
 
 
-def _forget_if_done(rs: RankState, req: int) -> None:
-    """Drop bookkeeping of a request that left and can receive no more writes here."""
-    if req in rs.outcomes and req not in rs.held and (
-            rs.landed.get(req, 0) == ALL_FIELDS or req in rs.fenced):
-        rs.landed.pop(req, None)
-        rs.slot_of.pop(req, None)
-        rs.fenced.discard(req)
+def _forget_if_done(left: Iterable[tuple[RankState, int]]) -> None:
+    """Drop a rank's bookkeeping of each (rank, request) that left and can receive no more
+    writes there."""
+    for rs, req in left:
+        if req in rs.outcomes and req not in rs.held and (
+                rs.landed.get(req, 0) == ALL_FIELDS or req in rs.fenced):
+            rs.landed.pop(req, None)
+            rs.slot_of.pop(req, None)
+            rs.fenced.discard(req)
 
 
 def _writes_done(state: SystemState, rs: RankState, req: int) -> None:
@@ -172,8 +177,8 @@ def _writes_done(state: SystemState, rs: RankState, req: int) -> None:
         return
     if req in rs.quarantined and (rs.landed[req] == ALL_FIELDS or req in rs.fenced):
         rs.quarantined.discard(req)
-        _free_slot(state, rs, req)
-    _forget_if_done(rs, req)
+        _free_slots(state, ((rs, req),))
+    _forget_if_done(((rs, req),))
 
 
 def admitting(state: SystemState) -> list[int]:
@@ -226,7 +231,7 @@ def _fence(state: SystemState, ev: Fence) -> None:
     rs.fenced.add(ev.req)
     if ev.req in rs.held and state.variant.defer_failed is _LOCAL_DEFERRAL:
         del rs.held[ev.req]         # this rank releases on its own acknowledgement, at once
-        _free_slot(state, rs, ev.req)
+        _free_slots(state, ((rs, ev.req),))
     _writes_done(state, rs, ev.req)
 
 
@@ -279,6 +284,7 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
     rows = [(pos, red * 8, r, requests[r].room, (requests[r].room == 0) << 2, red >= _AGES_FROM)
             for pos, (red, r) in enumerate(zip(reduced, queue))]
     out = []
+    leaving: list[tuple[RankState, list]] = []      # per rank that pops: its pops, release order
     for rs in group:
         kept: list[int] = []
         popped: list[tuple[int, int, int]] = []
@@ -297,32 +303,39 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
             positions.append(pos)
         rs.queue = kept          # a new list: the one before the step stays intact
         if popped:
-            _leave(state, rs, _release_order(v, popped, positions))
+            leaving.append((rs, _release_order(v, popped, positions)))
         out.append(tuple(popped))
+    if leaving:
+        _leave(state, leaving)
     return out
 
 
-def _leave(state: SystemState, rs: RankState, popped: Sequence[tuple[int, int, int]]) -> None:
-    """Popped requests leave one rank, in release order: the outcome is recorded, the
-    receiver and age dropped, and the slot freed now, held (a failed request where the
-    variant defers its release) or quarantined until its writes are fenced."""
+def _leave(state: SystemState, leaving: Sequence[tuple[RankState, Sequence[tuple[int, int, int]]]]
+           ) -> None:
+    """Popped requests leave their ranks (per rank, in release order): the outcome is
+    recorded, the receiver and age dropped, and the slot freed now, held (a failed
+    request where the variant defers its release) or quarantined until its writes are
+    fenced."""
     v = state.variant
     defer, quarantine = v.defer_failed is not _NO_DEFERRAL, v.fence_before_reuse
-    recv, age, outcomes, landed, fenced = rs.recv, rs.age, rs.outcomes, rs.landed, rs.fenced
-    for r, d, payload in popped:
-        del recv[r], age[r]
-        if d == _COMMIT:
-            outcomes[r] = ("commit", payload)
-        else:
-            outcomes[r] = ("abort", d)
-            if defer and d == _ABORT_FAILED:
-                rs.held[r] = 0
-                continue
-        if quarantine and landed[r] != ALL_FIELDS and r not in fenced:
-            rs.quarantined.add(r)           # writes still pending: the slot waits for them
-            continue
-        _free_slot(state, rs, r)
-        _forget_if_done(rs, r)
+    freed: list[tuple[RankState, int]] = []
+    for rs, popped in leaving:
+        recv, age, outcomes = rs.recv, rs.age, rs.outcomes
+        for r, d, payload in popped:
+            del recv[r], age[r]
+            if d == _COMMIT:
+                outcomes[r] = ("commit", payload)
+            else:
+                outcomes[r] = ("abort", d)
+                if defer and d == _ABORT_FAILED:
+                    rs.held[r] = 0
+                    continue
+            if quarantine and rs.landed[r] != ALL_FIELDS and r not in rs.fenced:
+                rs.quarantined.add(r)       # writes still pending: the slot waits for them
+            else:
+                freed.append((rs, r))
+    _free_slots(state, freed)
+    _forget_if_done(freed)
 
 
 def _release_order(v: Variant, popped: list, positions: list[int]) -> list:
@@ -363,8 +376,9 @@ def _release_held(state: SystemState) -> None:
             out.sort(key=order.__getitem__)
         for r in out:
             del rs.held[r]
-            _free_slot(state, rs, r)
-            _forget_if_done(rs, r)
+        done = [(rs, r) for r in out]
+        _free_slots(state, done)
+        _forget_if_done(done)
 
 
 def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:

@@ -77,7 +77,7 @@ def naive_step(state):
         if v.free_order is FreeOrder.SET:      # SGLang frees in set(positions) order
             at = {before.index(p[0]): p for p in popped}
             order = [at[i] for i in set(at)]
-        _leave(state, rs, order)
+        _leave(state, [(rs, order)])
         records.append(RankStep(k, before, tuple(locals_[k]), tuple(gateds[k]), tuple(reduced),
                                 tuple(popped)))
     state.steps += 1
