@@ -186,10 +186,13 @@ def admitting(state: SystemState) -> list[int]:
     every rank or none (the MIN over ranks of their free slots is at least 1). Local
     admission: each rank with a free slot of its own; a rank without one leaves the
     request in its prealloc queue, so the ranks' queues differ from here on."""
-    has_room = [k for k, rs in enumerate(state.ranks) if rs.free]
-    if state.variant.admission is _AGREED_ADMISSION and len(has_room) < len(state.ranks):
-        return []
-    return has_room
+    ranks = state.ranks
+    if state.variant.admission is _AGREED_ADMISSION:
+        for rs in ranks:
+            if not rs.free:
+                return []
+        return list(range(len(ranks)))
+    return [k for k, rs in enumerate(ranks) if rs.free]
 
 
 def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
@@ -285,6 +288,7 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
             for pos, (red, r) in enumerate(zip(reduced, queue))]
     out = []
     leaving: list[tuple[RankState, list]] = []      # per rank that pops: its pops, release order
+    queue_order = v.free_order is _QUEUE_ORDER
     for rs in group:
         kept: list[int] = []
         popped: list[tuple[int, int, int]] = []
@@ -303,7 +307,7 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
             positions.append(pos)
         rs.queue = kept          # a new list: the one before the step stays intact
         if popped:
-            leaving.append((rs, _release_order(v, popped, positions)))
+            leaving.append((rs, popped if queue_order else _set_order(popped, positions)))
         out.append(tuple(popped))
     if leaving:
         _leave(state, leaving)
@@ -338,11 +342,11 @@ def _leave(state: SystemState, leaving: Sequence[tuple[RankState, Sequence[tuple
     _forget_if_done(freed)
 
 
-def _release_order(v: Variant, popped: list, positions: list[int]) -> list:
-    """The popped requests in the order their slots go back to the free list: queue
-    order, or (SGLang) the iteration order of ``set(positions)``, which CPython fixes
-    for ints by their hash (the value) modulo the set's table size."""
-    if v.free_order is _QUEUE_ORDER or len(popped) < 2:
+def _set_order(popped: list, positions: list[int]) -> list:
+    """The popped requests in the order SGLang gives their slots back to the free list:
+    the iteration order of ``set(positions)``, which CPython fixes for ints by their hash
+    (the value) modulo the set's table size (the other order is the queue's)."""
+    if len(popped) < 2:
         return popped
     by_pos = dict(zip(positions, popped))
     return [by_pos[pos] for pos in set(positions)]
