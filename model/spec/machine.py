@@ -103,7 +103,8 @@ def _arrive(state: SystemState, req: int, events: Iterable[tuple[int, int]]) -> 
         if kind < PAYLOAD_LANDS:
             recv = rs.recv
             current = recv.get(req)
-            if current is None or current == _FAILED or (current == _SUCCESS and kind == KV_DONE):
+            if current != WAITING and (current is None or current == _FAILED or (
+                    current == _SUCCESS and kind == KV_DONE)):
                 raise _refusal(state, req, kind, k)
             recv[req] = value
             continue
