@@ -589,9 +589,20 @@ class Simulation:
                     self._finish(t)
                 if prealloc:
                     self._admit(t)
-                t += forward() if running else idle()
-                if t >= nxt or not running or rank0.queue:
+                if not running:
+                    t += idle()
                     break
+                t += forward()
+                if t >= nxt or rank0.queue:
+                    break
+                if not prealloc:
+                    # Until the next request finishes (at step running[0][0]) the steps
+                    # only take their forward passes: nothing to pop, nor to admit (only
+                    # a SimPy callback fills prealloc), so they are taken in one call.
+                    t, taken = self.forward.advance(t, nxt, running[0][0] - done - 1)
+                    done += taken
+                    if t >= nxt:
+                        break
             self.decode_steps = done
         self.end_ms = t
 
