@@ -204,9 +204,11 @@ class Simulation:
         self.T = T
         self.env = simpy.Environment()
         self.state = initial_state(self.variant, T, cfg.n_slots())
-        self.commit_ms = np.full(n, np.nan)
-        self.kv_all_ms = np.full(n, np.nan)
-        self.outcome = np.full(n, -1, dtype=np.int8)
+        # per-request results as arrays (cheaper to set one at a time than numpy's;
+        # RunData views them as numpy arrays)
+        self.commit_ms = array("d", np.full(n, np.nan).tobytes())
+        self.kv_all_ms = array("d", self.commit_ms)
+        self.outcome = array("b", bytes([0xFF]) * n)     # -1
         # for an aborted request's fences, its last write per rank: from its enqueue time
         # and its chunk's layout, or kept here when its timeline was built alone
         self.enqueued_ms = array("d", bytes(8 * n))
@@ -277,7 +279,8 @@ class Simulation:
         self.prealloc.extend(reqs[pos:stop])
         pos = stop
         if pos < end:
-            _At(self.env, times[pos] - self.env.now, self._prefilled, pos)
+            self.prefill_due.arg = pos
+            self.prefill_due.again(times[pos] - self.env.now)
         self._admit(self.env.now)
         if pos == end:
             self._settle()
@@ -290,7 +293,7 @@ class Simulation:
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        k = self.arrived = bisect_right(self.arrivals, now)
+        k = self.arrived = bisect_right(self.arrivals, now, self.arrived)   # now never goes back
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -654,7 +657,7 @@ class Simulation:
                 self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend([r for r, _, _ in popped[0]])
+        self.to_forget.extend(r for r, _, _ in popped[0])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
         if not aborted and popped.count(popped[0]) == len(popped):
@@ -673,8 +676,10 @@ class Simulation:
         follows the requests in flight (their outcomes are in the results and trace)."""
         ranks, keep = self.state.ranks, []
         for r in self.to_forget:
-            if any(r in rs.slot_of for rs in ranks):
-                keep.append(r)
+            for rs in ranks:
+                if r in rs.slot_of:
+                    keep.append(r)
+                    break
             else:
                 forget(self.state, r)
                 self.write_end.pop(r, None)
@@ -684,7 +689,7 @@ class Simulation:
         env = self.env
         self.plan = self._prefill_plan()
         if self.plan[0]:
-            _At(env, self.plan[0][0], self._prefilled, 0)
+            self.prefill_due = _At(env, self.plan[0][0], self._prefilled, 0)   # reused by each
         else:
             self._settle()
         proc = env.process(self._scheduler())
@@ -696,7 +701,8 @@ class Simulation:
             if self.divergence is not None:
                 self.trace.violation(self.divergence.violation, self.divergence.step)
             self.trace.end(self.state.steps)
-        return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
-                       self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
+        return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms,
+                       np.frombuffer(self.commit_ms), np.frombuffer(self.kv_all_ms),
+                       np.frombuffer(self.outcome, dtype=np.int8), self.state.steps, self.decode_steps,
                        self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
                        self.cut_short)
