@@ -156,21 +156,23 @@ class StepTimes:
         self.block, self.pos = self.dist.draw(self.rng, _CHUNK).tolist(), 0
 
     def next(self) -> float:
-        if self.pos == len(self.block):
+        pos = self.pos
+        if pos == len(self.block):
             self._refill()
-        self.pos += 1
-        return self.block[self.pos - 1]
+            pos = 0
+        self.pos = pos + 1
+        return self.block[pos]
 
     def advance(self, t: float, until: float, most: int) -> tuple[float, int]:
         """``t`` plus the next durations, added one at a time (the same sums as ``t +=
         next()`` in a loop), stopping after ``most`` of them or after the first sum that
         reaches ``until``; and how many were taken."""
         taken = 0
-        while taken < most:
-            if self.pos == len(self.block):
-                self._refill()
+        while True:
             block, start = self.block, self.pos
-            stop = min(len(block), start + most - taken)
+            stop = start + most - taken
+            if stop > len(block):
+                stop = len(block)
             for k in range(start, stop):
                 t += block[k]
                 if t >= until:
@@ -178,4 +180,6 @@ class StepTimes:
                     return t, taken + k + 1 - start
             taken += stop - start
             self.pos = stop
-        return t, taken
+            if taken == most:
+                return t, taken
+            self._refill()
