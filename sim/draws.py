@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -145,14 +144,42 @@ def _check_bounded(d: DrawChunk, cfg: SimConfig, prefill_ms: np.ndarray) -> None
 
 
 class StepTimes:
-    """Per-step durations from one stream, drawn in chunks (step j gets draw j).
-    ``next`` is a generator's ``__next__``: the decode loop calls it once per step, and
-    resuming a generator costs a fraction of a Python method call."""
+    """Per-step durations from one stream, drawn in blocks (step j gets draw j): one at a
+    time (``next``) or many at once (``advance``), in the same order either way."""
 
     def __init__(self, dist: Dist, rng: np.random.Generator):
         self.dist, self.rng = dist, rng
-        self.next: Callable[[], float] = self._draws().__next__
+        self.block: list[float] = []
+        self.pos = 0              # the next draw's index in block
 
-    def _draws(self) -> Iterator[float]:
+    def _refill(self) -> None:
+        self.block, self.pos = self.dist.draw(self.rng, _CHUNK).tolist(), 0
+
+    def next(self) -> float:
+        pos = self.pos
+        if pos == len(self.block):
+            self._refill()
+            pos = 0
+        self.pos = pos + 1
+        return self.block[pos]
+
+    def advance(self, t: float, until: float, most: int) -> tuple[float, int]:
+        """``t`` plus the next durations, added one at a time (the same sums as ``t +=
+        next()`` in a loop), stopping after ``most`` of them or after the first sum that
+        reaches ``until``; and how many were taken."""
+        taken = 0
         while True:
-            yield from self.dist.draw(self.rng, _CHUNK).tolist()
+            block, start = self.block, self.pos
+            stop = start + most - taken
+            if stop > len(block):
+                stop = len(block)
+            for k in range(start, stop):
+                t += block[k]
+                if t >= until:
+                    self.pos = k + 1
+                    return t, taken + k + 1 - start
+            taken += stop - start
+            self.pos = stop
+            if taken == most:
+                return t, taken
+            self._refill()

@@ -118,17 +118,36 @@ class _At(Event):
 
 
 class _Timeline:
-    """One request's per-rank events (KV, then metadata), in time order. While its
-    request is queued they wait, undelivered, until a protocol step needs them (``lazy``,
-    see Simulation._drain); otherwise a single pending SimPy event at a time delivers
-    them at their times (keeps memory per request small)."""
-    __slots__ = ("req", "times", "codes", "pos", "due", "lazy")
+    """One request's per-rank events (KV, then metadata), in time order: event ``k`` at
+    ``base + offsets[k]`` (offsets from the enqueue, as laid out, need no per-request
+    arithmetic; a timeline built with absolute times has base 0). While its request is
+    queued they wait, undelivered, until a protocol step needs them (``lazy``, see
+    Simulation._drain); otherwise a single pending SimPy event at a time delivers them at
+    their times (keeps memory per request small)."""
+    __slots__ = ("req", "base", "offsets", "codes", "pos", "due", "lazy")
 
-    def __init__(self, req: int, times: Sequence[float] | bytes, codes: Sequence[int] | bytes):
+    def __init__(self, req: int, base: float, offsets: Sequence[float] | bytes,
+                 codes: Sequence[int] | bytes):
         # (bytes: the machine's float64 / int64 values, which array() takes as they are)
-        self.req, self.times, self.codes, self.pos = req, array("d", times), array("q", codes), 0
+        self.req, self.base, self.pos = req, base, 0
+        self.offsets, self.codes = array("d", offsets), array("q", codes)
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
         self.lazy = False
+
+    def time(self, k: int) -> float:
+        return self.base + self.offsets[k]
+
+    def due_by(self, now: float) -> int:
+        """The index after the events from ``pos`` on that happen at or before ``now``.
+        Those are a prefix: offsets are sorted and base + offset grows with the offset.
+        The bisect on ``now - base`` (rounded) lands at the boundary or next to it."""
+        offsets, base, pos = self.offsets, self.base, self.pos
+        end = bisect_right(offsets, now - base, pos)
+        while end > pos and base + offsets[end - 1] > now:
+            end -= 1
+        while end < len(offsets) and base + offsets[end] <= now:
+            end += 1
+        return end
 
 
 @dataclass
@@ -185,11 +204,15 @@ class Simulation:
         self.T = T
         self.env = simpy.Environment()
         self.state = initial_state(self.variant, T, cfg.n_slots())
-        self.commit_ms = np.full(n, np.nan)
-        self.kv_all_ms = np.full(n, np.nan)
-        self.outcome = np.full(n, -1, dtype=np.int8)
-        # aborted requests' last write per rank (base, offsets): for their fences
-        self.write_end: dict[int, tuple[float, Sequence[float]]] = {}
+        # per-request results as arrays (cheaper to set one at a time than numpy's;
+        # RunData views them as numpy arrays)
+        self.commit_ms = array("d", np.full(n, np.nan).tobytes())
+        self.kv_all_ms = array("d", self.commit_ms)
+        self.outcome = array("b", bytes([0xFF]) * n)     # -1
+        # for an aborted request's fences, its last write per rank: from its enqueue time
+        # and its chunk's layout, or kept here when its timeline was built alone
+        self.enqueued_ms = array("d", bytes(8 * n))
+        self.write_end: dict[int, list[float]] = {}
         self.prealloc: deque[int] = deque()
         self.running: list[tuple[int, int]] = []   # (finishing decode step, request)
         self.in_pool = 0
@@ -256,7 +279,8 @@ class Simulation:
         self.prealloc.extend(reqs[pos:stop])
         pos = stop
         if pos < end:
-            _At(self.env, times[pos] - self.env.now, self._prefilled, pos)
+            self.prefill_due.arg = pos
+            self.prefill_due.again(times[pos] - self.env.now)
         self._admit(self.env.now)
         if pos == end:
             self._settle()
@@ -269,7 +293,7 @@ class Simulation:
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        k = self.arrived = bisect_right(self.arrivals, now)
+        k = self.arrived = bisect_right(self.arrivals, now, self.arrived)   # now never goes back
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -289,14 +313,14 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[np.ndarray, bytes, list[int], np.ndarray, array]:
+    def _layout(self, c: int) -> tuple[bytes, bytes, list[int], np.ndarray, array]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
-        with numpy: event times sorted per request (absent events last, at +inf), their
-        codes (int64 bytes, ``3 * ranks`` per request), the count of real events, the last
-        write per rank (-inf: none) and the latest KV completion (NaN where a transfer
-        fails). The codes, counts and KV completions are in forms an enqueue reads
-        without numpy scalar work, and as compact as arrays (the kept chunks count in
-        the memory per request in flight). Without stalls an event's time is enqueue +
+        with numpy: event offsets sorted per request (absent events last, at +inf) and
+        their codes (float64 and int64 bytes, ``3 * ranks`` per request), the count of
+        real events, the last write per rank (-inf: none) and the latest KV completion
+        (NaN where a transfer fails). The offsets, codes, counts and KV completions are
+        in forms an enqueue reads without numpy work, and as compact as arrays (the kept
+        chunks count in the memory per request in flight). Without stalls an event's time is enqueue +
         offset, and adding the same number keeps the order, so the order is known up
         front."""
         cached = self.layouts.get(c)
@@ -319,7 +343,7 @@ class Simulation:
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
         count = np.isfinite(rel).sum(axis=1).tolist()
         kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
-        out = (rel, codes.tobytes(), count, np.where(meta, room, -math.inf), kv_all)
+        out = (rel.tobytes(), codes.tobytes(), count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -339,15 +363,15 @@ class Simulation:
         if self.cfg.stalls or self.record:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, last, kv_all = self._layout(i // CHUNK)
-            m, at = count[j], j * 24 * self.T          # 3 * ranks int64 codes per request
-            tl = _Timeline(i, (now + rel[j, :m]).tobytes(), codes[at:at + 8 * m])
-            self.write_end[i] = (now, last[j].tolist())
+            rel, codes, count, _, kv_all = self._layout(i // CHUNK)
+            m, at = count[j], j * 24 * self.T          # 3 * ranks 8-byte values per request
+            tl = _Timeline(i, now, rel[at:at + 8 * m], codes[at:at + 8 * m])
+            self.enqueued_ms[i] = now
             self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
         ranks = self.state.ranks
         if self.local_admission and any(i not in rs.recv for rs in ranks):   # some ranks left out
             keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
-            tl = _Timeline(i, [tl.times[j] for j in keep], [tl.codes[j] for j in keep])
+            tl = _Timeline(i, tl.base, [tl.offsets[j] for j in keep], [tl.codes[j] for j in keep])
             if not keep:
                 return
         if self.eager:
@@ -355,7 +379,7 @@ class Simulation:
         else:
             tl.lazy = True
             self.active[i] = tl
-            heapq.heappush(self.lazy, (tl.times[0], i, tl))
+            heapq.heappush(self.lazy, (tl.time(0), i, tl))
         if self.wake is not None and not self.wake.triggered:
             self.wake.succeed()
 
@@ -383,17 +407,17 @@ class Simulation:
             if record:
                 self.spans.append(("kv", k, i, now, kv))
                 self.spans.append(("lag", k, i, kv, land + rtt))
-        self.write_end[i] = (0.0, write_end)
+        self.write_end[i] = write_end
         if fr < 0:
             self.kv_all_ms[i] = kv_all
         events.sort()
         times, codes = zip(*events)
-        return _Timeline(i, times, codes)
+        return _Timeline(i, 0.0, times, codes)
 
     def _schedule(self, tl: _Timeline) -> None:
         """Deliver ``tl``'s remaining events at their times, by SimPy events."""
         self.pending += 1
-        tl.due = _At(self.env, tl.times[tl.pos] - self.env.now, self._timeline, tl)
+        tl.due = _At(self.env, tl.time(tl.pos) - self.env.now, self._timeline, tl)
 
     def _deliver(self, tl: _Timeline, until: float) -> None:
         """Deliver the timeline's events due at its next time or, with ``until``, every
@@ -402,8 +426,8 @@ class Simulation:
         object per event."""
         decode, i, state = self.decode, tl.req, self.state
         ranks, direct = state.ranks, self.trace is None
-        times, codes, pos, end = tl.times, tl.codes, tl.pos, len(tl.times)
-        target = max(times[pos], until)   # exact, where now may differ from it in the last bit
+        base, offsets, codes, pos, end = tl.base, tl.offsets, tl.codes, tl.pos, len(tl.codes)
+        target = max(base + offsets[pos], until)   # exact, where now may differ from it in the last bit
         batch: list[Any] = []
         delivered = 0
         try:
@@ -422,7 +446,7 @@ class Simulation:
                         (kv_done if kind == KV else fail)(state, k, i)
                     else:
                         batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
-                if pos == end or times[pos] > target:
+                if pos == end or base + offsets[pos] > target:
                     break
         except EventNotEnabled as exc:
             _refused(exc)
@@ -439,8 +463,8 @@ class Simulation:
         if self.lazy:
             self._drain(self.env.now)
         self._deliver(tl, -math.inf)
-        if tl.pos < len(tl.times):
-            tl.due.again(tl.times[tl.pos] - self.env.now)
+        if tl.pos < len(tl.codes):
+            tl.due.again(tl.time(tl.pos) - self.env.now)
         else:
             self._settle()
         if self.prealloc:       # a landed write may have freed a quarantined slot
@@ -459,15 +483,15 @@ class Simulation:
             if not tl.lazy:
                 continue            # its request left the queue: SimPy delivers the rest
             pos = tl.pos
-            end = bisect_right(tl.times, now, pos)
+            end = tl.due_by(now)
             try:
                 deliver(self.state, tl.req, tl.codes[pos:end])
             except EventNotEnabled as exc:
                 _refused(exc)
             self.since_poll += end - pos
             tl.pos = end
-            if end < len(tl.times):
-                heapq.heappush(heap, (tl.times[tl.pos], tl.req, tl))
+            if end < len(tl.codes):
+                heapq.heappush(heap, (tl.time(end), tl.req, tl))
             else:
                 tl.lazy = False
                 del self.active[tl.req]
@@ -485,8 +509,7 @@ class Simulation:
         k, i = key
         rs, now = self.state.ranks[k], self.env.now
         if i in rs.landed and i not in rs.fenced:
-            base, last = self.write_end[i]
-            end = base + last[k]
+            end = self._last_write(i, k)
             if end >= now and rs.landed[i] != ALL_FIELDS:
                 # prefill acknowledges only once its writes are done: wait for them
                 _At(self.env, end - now, self._fence, key)
@@ -494,6 +517,14 @@ class Simulation:
             self._env_events([Fence(k, i)], now)
             self._admit(now)    # the fence may have freed a quarantined slot
         self._settle()
+
+    def _last_write(self, i: int, k: int) -> float:
+        """When request ``i``'s last write to rank ``k`` lands (-inf: it has none)."""
+        alone = self.write_end.get(i)
+        if alone is not None:
+            return alone[k]
+        c, j = divmod(i, CHUNK)
+        return self.enqueued_ms[i] + float(self._layout(c)[3][j, k])
 
     def _settle(self) -> None:
         """One scheduled callback finished; with none left, wake an idle scheduler so it
@@ -589,9 +620,20 @@ class Simulation:
                     self._finish(t)
                 if prealloc:
                     self._admit(t)
-                t += forward() if running else idle()
-                if t >= nxt or not running or rank0.queue:
+                if not running:
+                    t += idle()
                     break
+                t += forward()
+                if t >= nxt or rank0.queue:
+                    break
+                if not prealloc:
+                    # Until the next request finishes (at step running[0][0]) the steps
+                    # only take their forward passes: nothing to pop, nor to admit (only
+                    # a SimPy callback fills prealloc), so they are taken in one call.
+                    t, taken = self.forward.advance(t, nxt, running[0][0] - done - 1)
+                    done += taken
+                    if t >= nxt:
+                        break
             self.decode_steps = done
         self.end_ms = t
 
@@ -615,7 +657,7 @@ class Simulation:
                 self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend([r for r, _, _ in popped[0]])
+        self.to_forget.extend(r for r, _, _ in popped[0])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
         if not aborted and popped.count(popped[0]) == len(popped):
@@ -634,8 +676,10 @@ class Simulation:
         follows the requests in flight (their outcomes are in the results and trace)."""
         ranks, keep = self.state.ranks, []
         for r in self.to_forget:
-            if any(r in rs.slot_of for rs in ranks):
-                keep.append(r)
+            for rs in ranks:
+                if r in rs.slot_of:
+                    keep.append(r)
+                    break
             else:
                 forget(self.state, r)
                 self.write_end.pop(r, None)
@@ -645,7 +689,7 @@ class Simulation:
         env = self.env
         self.plan = self._prefill_plan()
         if self.plan[0]:
-            _At(env, self.plan[0][0], self._prefilled, 0)
+            self.prefill_due = _At(env, self.plan[0][0], self._prefilled, 0)   # reused by each
         else:
             self._settle()
         proc = env.process(self._scheduler())
@@ -657,7 +701,8 @@ class Simulation:
             if self.divergence is not None:
                 self.trace.violation(self.divergence.violation, self.divergence.step)
             self.trace.end(self.state.steps)
-        return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms, self.commit_ms,
-                       self.kv_all_ms, self.outcome, self.state.steps, self.decode_steps,
+        return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms,
+                       np.frombuffer(self.commit_ms), np.frombuffer(self.kv_all_ms),
+                       np.frombuffer(self.outcome, dtype=np.int8), self.state.steps, self.decode_steps,
                        self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
                        self.cut_short)

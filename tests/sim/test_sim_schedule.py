@@ -1,10 +1,13 @@
 """The fast schedule (queued requests' events delivered when a step needs them, the
 scheduler running ahead of SimPy's clock, timelines laid out with numpy) is the same
 simulation as the eager one (a SimPy event per delivery batch and per scheduler action,
-events one at a time): identical outcomes, steps and times on every fault mix."""
+events one at a time, decode steps one at a time): identical outcomes, steps and
+times on every fault mix."""
 import numpy as np
 import pytest
 
+from sim.dists import parse_dist
+from sim.draws import StepTimes, stream
 from sim.engine import Simulation
 from tests.sim.helpers import config, workload
 
@@ -43,3 +46,27 @@ def test_fast_schedule_is_the_eager_simulation(case, seed):
         _same(fast, Simulation(cfg, wl, eager=True).run())
         # the per-request timeline builder (used with stalls and Perfetto spans)
         _same(fast, Simulation(cfg, wl, record_spans=True).run())
+
+
+@pytest.mark.parametrize("dist", ["const:25", "exp:3", "uniform:0,2"])
+def test_step_times_advance_is_next_one_at_a_time(dist):
+    """Decode steps taken together (StepTimes.advance) consume the same draws in the same
+    order, and reach the same sums, as steps taken one by one (across block ends too)."""
+    d = parse_dist(dist, "--forward")
+    batched, single = StepTimes(d, stream(1, "forward")), StepTimes(d, stream(1, "forward"))
+    rng = np.random.default_rng(7)
+    t_b = t_s = 0.0
+    for _ in range(3000):
+        until, most = t_b + float(rng.exponential(40.0)), int(rng.integers(0, 12))
+        t_b, taken = batched.advance(t_b, until, most)
+        k = 0
+        while k < most:
+            t_s += single.next()
+            k += 1
+            if t_s >= until:
+                break
+        assert (t_b, taken) == (t_s, k)
+        if rng.random() < 0.3:           # a step taken alone in between
+            t_b += batched.next()
+            t_s += single.next()
+    assert batched.next() == single.next()
