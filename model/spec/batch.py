@@ -20,6 +20,7 @@ tests/spec/test_spec_batch.py).
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 from model.spec.events import Step
@@ -126,7 +127,8 @@ class Stepper:
 
 def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     """``apply`` of each encoded event of request ``req`` in order (see the module doc);
-    a refused event raises EventNotEnabled after the ones before it were performed."""
+    a refused event raises EventNotEnabled after the ones before it were performed, a
+    code out of range before any is."""
     _require_live(state)
     n = len(state.ranks)
     decode = _DECODE.get(n)
@@ -137,6 +139,18 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     except (IndexError, TypeError):
         events = None
     if events is None or min(codes, default=0) < 0:     # a negative index would wrap
-        bad = next(c for c in codes if not (isinstance(c, int) and 0 <= c < 4 * n))
-        raise EventNotEnabled(f"deliver: event code {bad} is not one of 0..{4 * n - 1}")
+        raise EventNotEnabled(f"deliver: event code {_bad_code(codes, 4 * n)} is not one of "
+                              f"0..{4 * n - 1}")
     _arrive(state, req, events)
+
+
+def _bad_code(codes: Sequence[int], end: int) -> object:
+    """The first code that is not an integer in 0..end-1."""
+    for c in codes:
+        try:
+            if 0 <= operator.index(c) < end:
+                continue
+        except TypeError:
+            pass
+        return c
+    raise AssertionError("no bad code")

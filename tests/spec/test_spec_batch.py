@@ -109,8 +109,13 @@ def test_deliver_matches_apply_including_refused_events():
         random.Random(12), ALL, lambda s, ev: deliver(s, ev.req, [_code(ev, s.n_ranks)]),
         (KvDone, Fail, Land), _odd)
     assert delivered > 1000 and refused > 1000
-    with pytest.raises(EventNotEnabled, match="event code"):
-        deliver(initial_state(VARIANTS["gate"], 2, 1), 0, [8])
+    for codes in ([8], [-1], [1.5], [0, 99]):      # -1 would wrap round the decode table
+        state = initial_state(VARIANTS["gate"], 2, 1)
+        apply(state, Enqueue(0, 5, 6))
+        before = state.key()
+        with pytest.raises(EventNotEnabled, match=f"event code {codes[-1]} is not one of 0..7"):
+            deliver(state, 0, codes)
+        assert state.key() == before               # refused before any event is performed
 
 
 @settings(max_examples=150, deadline=None)
