@@ -169,12 +169,12 @@ def _room_before_payload_allowed() -> None:
 def _relatch_failed() -> None:
     from model.spec import machine
 
-    def latch(state, rank, req, value, what):
+    def latch(state, rank, req, value):
         recv = machine._rank(state, rank).recv
         if req not in recv:
-            raise machine.EventNotEnabled(f"{what}: request {req} is not queued on rank {rank}")
+            raise machine.EventNotEnabled(f"latch: request {req} is not queued on rank {rank}")
         if recv[req] == int(machine.KVPoll.Success) and value != int(machine.KVPoll.Failed):
-            raise machine.EventNotEnabled(f"{what}: already latched")   # as the spec
+            raise machine.EventNotEnabled("latch: already latched")    # as the spec
         recv[req] = value                        # the bug: a Failed receiver can turn Success
     _replace_everywhere(machine._latch, latch)
 

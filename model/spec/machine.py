@@ -143,7 +143,7 @@ def _refusal(state: SystemState, req: int, kind: int, k: int) -> EventNotEnabled
                            f"(variant writes the room after the payload completed)")
 
 
-def _latch(state: SystemState, rank: int, req: int, value: int, what: str) -> None:
+def _latch(state: SystemState, rank: int, req: int, value: int) -> None:
     """One KvDone (``value`` Success) or Fail (Failed): see ``_arrive``."""
     _rank(state, rank)
     _arrive(state, req, ((KV_DONE if value == _SUCCESS else KV_FAILED, rank),))
@@ -419,17 +419,17 @@ def _protocol_step(state: SystemState, detail: bool) -> StepRecord | StepPops:
         for k in range(len(ranks))))
 
 
-def _receiver(poll: KVPoll, what: str) -> Callable[[SystemState, int, int], None]:
+def _receiver(poll: KVPoll) -> Callable[[SystemState, int, int], None]:
     """The transition of KvDone / Fail on plain fields: the receiver latches ``poll``."""
     value = int(poll)
 
     def receive(state: SystemState, rank: int, req: int) -> None:
-        _latch(state, rank, req, value, what)
+        _latch(state, rank, req, value)
     return receive
 
 
-_kv_done = _receiver(KVPoll.Success, "kv_done")
-_fail = _receiver(KVPoll.Failed, "fail")
+_kv_done = _receiver(KVPoll.Success)
+_fail = _receiver(KVPoll.Failed)
 
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
 # Each unpacks its event and calls the one implementation of its transition.
