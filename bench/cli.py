@@ -16,6 +16,10 @@ import time
 import bench
 
 
+class BenchInputError(Exception):
+    """A benchmark cannot run as asked (its message names what is wrong)."""
+
+
 def available() -> list[str]:
     return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(bench.__path__)
                   if m.name.startswith("bench_"))
@@ -43,7 +47,11 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         mod = importlib.import_module(f"bench.bench_{name}")
         t0 = time.perf_counter()
-        figures = mod.run(args.quick)
+        try:
+            figures = mod.run(args.quick)
+        except BenchInputError as exc:
+            print(f"pdgate bench {name}: {exc}", file=sys.stderr)
+            return 2
         figures["bench_wall_seconds"] = round(time.perf_counter() - t0, 3)
         report[name] = figures
         print(f"== {name}")

@@ -106,3 +106,11 @@ def test_an_unexpected_exception_is_one_line_exit_1(monkeypatch, capsys):
     assert main(["validate", "x"]) == 1
     err = capsys.readouterr().err
     assert err == "pdgate validate: internal error: KeyError: 777\n"
+
+
+def test_bench_refuses_a_before_tree_that_is_not_a_checkout_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDGATE_BENCH_BEFORE", str(tmp_path))
+    assert main(["bench", "sim", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pdgate bench sim: PDGATE_BENCH_BEFORE: {str(tmp_path)!r} is not a pdgate "
+                   f"checkout (no sim/engine.py there)")
