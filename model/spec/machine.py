@@ -124,7 +124,8 @@ def _arrive(state: SystemState, req: int, events: Iterable[tuple[int, int]]) -> 
 
 
 def _refusal(state: SystemState, req: int, kind: int, k: int) -> EventNotEnabled:
-    """Why ``_arrive`` refuses event (kind, k) of ``req``."""
+    """Why ``_arrive`` refuses event (kind, k) of ``req``: its checks, one by one, for the
+    message (``_arrive`` tests them as one condition, on the path of every event)."""
     rs, what = state.ranks[k], _KIND_WHAT[kind]
     if kind < PAYLOAD_LANDS:
         current = rs.recv.get(req)
@@ -139,8 +140,10 @@ def _refusal(state: SystemState, req: int, kind: int, k: int) -> EventNotEnabled
         return EventNotEnabled(f"land: {what} of request {req} already landed on rank {k}")
     if req in rs.fenced:
         return EventNotEnabled(f"land: request {req} is fenced on rank {k}")
-    return EventNotEnabled(f"land: room of request {req} before its payload on rank {k} "
-                           f"(variant writes the room after the payload completed)")
+    if state.variant.room_after_payload and kind == ROOM_LANDS and not landed & PAYLOAD_BIT:
+        return EventNotEnabled(f"land: room of request {req} before its payload on rank {k} "
+                               f"(variant writes the room after the payload completed)")
+    raise AssertionError(f"_refusal: event ({kind}, {k}) of request {req} is enabled")
 
 
 def _latch(state: SystemState, rank: int, req: int, value: int) -> None:
@@ -285,7 +288,7 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
     v = state.variant
     # per request: its position, its reduced value's row of the pop table, its room,
     # whether it ages if kept
-    rows = [(pos, red * 8, r, requests[r].room, (requests[r].room == 0) << 2, red >= _AGES_FROM)
+    rows = [(pos, red * 8, r, requests[r].room, red >= _AGES_FROM)
             for pos, (red, r) in enumerate(zip(reduced, queue))]
     out = []
     leaving: list[tuple[RankState, list]] = []      # per rank that pops: its pops, release order
@@ -295,10 +298,9 @@ def _pop(state: SystemState, group: Sequence[RankState], reduced: list[int], pop
         popped: list[tuple[int, int, int]] = []
         positions: list[int] = []
         room_at, slot_of, payload_at, age = rs.room_at, rs.slot_of, rs.payload_at, rs.age
-        for pos, row, r, expected, zero_expected, ages in rows:
+        for pos, row, r, expected, ages in rows:
             slot = slot_of[r]
-            seen = room_at[slot]      # kernel.compare_index, inline (a call per rank and request)
-            d = pop[row + ((seen == 0) | (seen == expected) << 1 | zero_expected)]
+            d = pop[row + compare_index(room_at[slot], expected)]
             if d == _KEEP:
                 kept.append(r)
                 if ages:
