@@ -17,9 +17,9 @@ Figures:
   use the spec's batched step); with ``PDGATE_BENCH_BEFORE=DIR`` (a checkout of an
   older pdgate, e.g. ``git archive b44bea5 | tar -x -C DIR``), also that tree's simulator on
   the same loads, interleaved with this one's in the same run (each tree's runs in
-  fresh subprocesses): requests per CPU second ``*_before`` and this tree's ratio to it. Recorded before issue 11 item 5 (b44bea5,
-  this 2-core machine): ~6,100 (Mooncake) and ~6,200 (Poisson) requests per wall
-  second; the goal is 20,000;
+  fresh subprocesses): requests per CPU second ``*_before`` and this tree's ratio to
+  it. Recorded before issue 11 item 5 (b44bea5, this 2-core machine): ~6,100 (Mooncake)
+  and ~6,200 (Poisson) requests per wall second; the goal is 20,000;
 - the trace reader: rows per second and peak traced memory streaming a generated
   Azure-2024-format CSV (the memory must not grow with the file).
 """
@@ -180,8 +180,8 @@ def _throughput(quick: bool) -> dict:
     changes hit all; the ratios from CPU time (less noisy when shared)."""
     from pathlib import Path
     from sim.workload import load_trace
-    sample = str(Path(__file__).resolve().parents[1] / "sim" / "data"
-                 / "mooncake_conversation_head1000.jsonl")
+    here = str(Path(__file__).resolve().parents[1])      # this tree, for its own subprocesses
+    sample = str(Path(here) / "sim" / "data" / "mooncake_conversation_head1000.jsonl")
     n_poisson = 2000 if quick else 10_000
     loads = {"mooncake": load_trace(sample), "poisson": _workload(n_poisson, 4.0)}
     before = _before_tree()
@@ -201,8 +201,7 @@ def _throughput(quick: bool) -> dict:
                 cpus[eager].append(time.process_time() - c0)
             if before:
                 before_cpus.append(_tree_cpu(before, name, n_poisson, sample))
-                after_cpus.append(_tree_cpu(str(Path(__file__).resolve().parents[1]), name,
-                                            n_poisson, sample))
+                after_cpus.append(_tree_cpu(here, name, n_poisson, sample))
         out[f"{name}_requests_per_s_8_ranks"] = round(len(wl) / min(walls[False]))
         out[f"{name}_requests_per_s_8_ranks_eager"] = round(len(wl) / min(walls[True]))
         out[f"{name}_requests_per_cpu_s_8_ranks"] = round(len(wl) / min(cpus[False]))

@@ -320,9 +320,9 @@ class Simulation:
         real events, the last write per rank (-inf: none) and the latest KV completion
         (NaN where a transfer fails). The offsets, codes, counts and KV completions are
         in forms an enqueue reads without numpy work, and as compact as arrays (the kept
-        chunks count in the memory per request in flight). Without stalls an event's time is enqueue +
-        offset, and adding the same number keeps the order, so the order is known up
-        front."""
+        chunks count in the memory per request in flight). Without stalls an event's
+        time is enqueue + offset, and adding the same number keeps the order, so the
+        order is known up front."""
         cached = self.layouts.get(c)
         if cached is not None:
             return cached

@@ -57,6 +57,7 @@ def deployed_variant(name: str, timeout_steps: int | None = None, timeout_s: flo
                                     "release timeout")):
         if value is not None and has is None:
             raise ValueError(f"{flag}: variant {name!r} has no {what} to override")
+
     def count(flag: str, seconds: float, default_s: float) -> int:
         try:
             return steps_for(default_s if seconds is None else seconds, step_floor_s)
