@@ -148,10 +148,12 @@ def _before_tree() -> str | None:
     import os
     from bench.cli import BenchInputError
     tree = os.environ.get("PDGATE_BENCH_BEFORE")
-    if tree is not None and not os.path.isfile(os.path.join(tree, "sim", "engine.py")):
+    if tree is None:
+        return None
+    if not tree or not os.path.isfile(os.path.join(tree, "sim", "engine.py")):
         raise BenchInputError(f"PDGATE_BENCH_BEFORE: {tree!r} is not a pdgate checkout "
                               f"(no sim/engine.py there)")
-    return tree
+    return os.path.abspath(tree)      # its subprocesses run from there
 
 
 def _tree_cpu(tree: str, name: str, n: int, sample: str) -> float:

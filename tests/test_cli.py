@@ -1,4 +1,5 @@
 """The pdgate dispatcher: help, unknown subcommands, lazy imports."""
+import os
 import subprocess
 import sys
 
@@ -108,9 +109,19 @@ def test_an_unexpected_exception_is_one_line_exit_1(monkeypatch, capsys):
     assert err == "pdgate validate: internal error: KeyError: 777\n"
 
 
-def test_bench_refuses_a_before_tree_that_is_not_a_checkout_before_running(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PDGATE_BENCH_BEFORE", str(tmp_path))
+@pytest.mark.parametrize("tree", ["", "not-a-dir", "TMP"])
+def test_bench_refuses_a_before_tree_that_is_not_a_checkout_before_running(tree, tmp_path, monkeypatch,
+                                                                           capsys):
+    tree = str(tmp_path) if tree == "TMP" else tree
+    monkeypatch.setenv("PDGATE_BENCH_BEFORE", tree)
     assert main(["bench", "sim", "--quick"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"pdgate bench sim: PDGATE_BENCH_BEFORE: {str(tmp_path)!r} is not a pdgate "
+    assert err == (f"pdgate bench sim: PDGATE_BENCH_BEFORE: {tree!r} is not a pdgate "
                    f"checkout (no sim/engine.py there)")
+
+
+def test_bench_before_tree_is_made_absolute(monkeypatch):
+    from bench.bench_sim import _before_tree
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("PDGATE_BENCH_BEFORE", ".")
+    assert _before_tree() == os.getcwd()
