@@ -25,17 +25,15 @@ import numpy as np
 import simpy
 from simpy.events import URGENT, Event
 
-from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver
+from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
 from model.spec.invariants import Violation
 from model.spec.kernel import Decision
-from model.spec.machine import (EventNotEnabled, StepPops, StepRecord, admitting, apply, enqueue, fail,
-                                forget, kv_done, land)
-from model.spec.state import ALL_FIELDS, initial_state
+from model.spec.machine import EventNotEnabled, StepPops, StepRecord, apply
+from model.spec.packed import PackedState
 from model.spec.trace import TraceWriter
 from model.spec.timeouts import deployed_variant
 from model.spec.variants import VARIANTS, Admission, Variant
-from sim.checks import step_violations
 from sim.config import SimConfig
 from sim.draws import Draws, StepTimes, draw, stream
 from sim.errors import SimInputError
@@ -203,7 +201,9 @@ class Simulation:
         n, T = len(workload), cfg.ranks
         self.T = T
         self.env = simpy.Environment()
-        self.state = initial_state(self.variant, T, cfg.n_slots())
+        # the ranks' state: packed across ranks, or machine.py's own form (a trace's
+        # records need it, and variants the packed form does not hold)
+        self.spec = PackedState(self.variant, T, cfg.n_slots(), general=trace is not None)
         # per-request results as arrays (cheaper to set one at a time than numpy's;
         # RunData views them as numpy arrays)
         self.commit_ms = array("d", np.full(n, np.nan).tobytes())
@@ -247,16 +247,16 @@ class Simulation:
 
     # -- environment events ------------------------------------------------------------
     def _env_events(self, events: list[Any], now: float) -> None:
-        state = self.state
+        """Traced runs: the events on machine.py's state, each written to the trace."""
+        state = self.spec.system()
         try:
             for ev in events:
                 apply(state, ev)
         except EventNotEnabled as exc:
             _refused(exc)
         self.since_poll += len(events)
-        if self.trace is not None:
-            for ev in events:
-                self.trace.event(ev, now)
+        for ev in events:
+            self.trace.event(ev, now)
 
     def _prefill_plan(self) -> tuple[list[float], list[int]]:
         """Prefill completion times and requests, in completion order. Prefill depends
@@ -300,9 +300,9 @@ class Simulation:
     def _admit(self, now: float) -> None:
         """Enqueue waiting requests (at simulated time ``now``) while the pool and every
         rank's free list have room."""
-        state, prealloc, pool = self.state, self.prealloc, self.cfg.request_pool
+        spec, prealloc, pool = self.spec, self.prealloc, self.cfg.request_pool
         while prealloc and self.in_pool < pool:
-            if not admitting(state):      # the spec's admission rule (agreed, or per rank)
+            if not spec.admitting():      # the spec's admission rule (agreed, or per rank)
                 return
             self._enqueue(prealloc.popleft(), now)
 
@@ -353,7 +353,7 @@ class Simulation:
         ch, j = self.d.row(i)
         room, payload = ch.room[j], ch.payload[j]
         try:
-            enqueue(self.state, i, room, payload)     # apply(Enqueue) without the event object
+            self.spec.enqueue(i, room, payload)     # apply(Enqueue) without the event object
         except EventNotEnabled as exc:
             _refused(exc)
         self.since_poll += 1
@@ -368,9 +368,10 @@ class Simulation:
             tl = _Timeline(i, now, rel[at:at + 8 * m], codes[at:at + 8 * m])
             self.enqueued_ms[i] = now
             self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
-        ranks = self.state.ranks
-        if self.local_admission and any(i not in rs.recv for rs in ranks):   # some ranks left out
-            keep = [j for j, c in enumerate(tl.codes) if i in ranks[c % self.T].recv]
+        spec = self.spec
+        if self.local_admission and not all(spec.in_queue(k, i) for k in range(self.T)):
+            # some ranks left it out: only their events happen
+            keep = [j for j, c in enumerate(tl.codes) if spec.in_queue(c % self.T, i)]
             tl = _Timeline(i, tl.base, [tl.offsets[j] for j in keep], [tl.codes[j] for j in keep])
             if not keep:
                 return
@@ -424,34 +425,34 @@ class Simulation:
         event up to that time. Without a trace, the spec's transitions are called on
         plain fields: the same transitions as ``apply`` of the events, minus building an
         object per event."""
-        decode, i, state = self.decode, tl.req, self.state
-        ranks, direct = state.ranks, self.trace is None
+        decode, i, spec = self.decode, tl.req, self.spec
+        direct = self.trace is None
         base, offsets, codes, pos, end = tl.base, tl.offsets, tl.codes, tl.pos, len(tl.codes)
         target = max(base + offsets[pos], until)   # exact, where now may differ from it in the last bit
-        batch: list[Any] = []
-        delivered = 0
+        batch: list[Any] = []      # codes for the spec, or (traced) events
         try:
             while True:
-                kind, k = decode[codes[pos]]
+                code = codes[pos]
+                kind, k = decode[code]
                 pos += 1
                 if kind >= PAY:
-                    delivered += 1
                     if direct:
-                        land(state, k, i, _LAND_FIELD[kind])
+                        batch.append(code)
                     else:
                         batch.append(Land(k, i, _LAND_FIELD[kind]))
-                elif i in ranks[k].recv:   # else the request already left: its KV is moot
-                    delivered += 1
+                elif spec.in_queue(k, i):   # else the request already left: its KV is moot
                     if direct:
-                        (kv_done if kind == KV else fail)(state, k, i)
+                        batch.append(code)
                     else:
                         batch.append(KvDone(k, i) if kind == KV else Fail(k, i))
                 if pos == end or base + offsets[pos] > target:
                     break
+            if direct:
+                spec.deliver(i, batch)
         except EventNotEnabled as exc:
             _refused(exc)
         if direct:
-            self.since_poll += delivered
+            self.since_poll += len(batch)
         else:
             self._env_events(batch, self.env.now)   # env events never pop: the checks above stay valid
         tl.pos = pos
@@ -485,7 +486,7 @@ class Simulation:
             pos = tl.pos
             end = tl.due_by(now)
             try:
-                deliver(self.state, tl.req, tl.codes[pos:end])
+                self.spec.deliver(tl.req, tl.codes[pos:end])
             except EventNotEnabled as exc:
                 _refused(exc)
             self.since_poll += end - pos
@@ -507,14 +508,21 @@ class Simulation:
 
     def _fence(self, key: tuple[int, int]) -> None:
         k, i = key
-        rs, now = self.state.ranks[k], self.env.now
-        if i in rs.landed and i not in rs.fenced:
+        spec, now = self.spec, self.env.now
+        if spec.fenceable(k, i):
             end = self._last_write(i, k)
-            if end >= now and rs.landed[i] != ALL_FIELDS:
+            if end >= now and spec.writes_pending(k, i):
                 # prefill acknowledges only once its writes are done: wait for them
                 _At(self.env, end - now, self._fence, key)
                 return
-            self._env_events([Fence(k, i)], now)
+            if self.trace is not None:
+                self._env_events([Fence(k, i)], now)
+            else:
+                try:
+                    spec.fence(k, i)
+                except EventNotEnabled as exc:
+                    _refused(exc)
+                self.since_poll += 1
             self._admit(now)    # the fence may have freed a quarantined slot
         self._settle()
 
@@ -547,31 +555,32 @@ class Simulation:
             yield env.timeout(max(0.0, t - env.now))
 
     def _scheduler(self):
-        env, state, cfg = self.env, self.state, self.cfg
-        ranks, n = state.ranks, len(self.wl)
+        env, spec, cfg = self.env, self.spec, self.cfg
+        n = len(self.wl)
         timeout = self.variant.timeout_steps
         detail = self.trace is not None      # the trace needs the full StepRecord
         eager, running = self.eager, self.running
         forward, idle = self.forward.next, self.idle.next      # a decode step's duration
         prealloc = self.prealloc
-        stepper = Stepper(state)
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
         # protocol steps bound the work (decode steps are bounded by the output tokens)
         max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
         deadline = None if self.wall_limit_s is None else time.perf_counter() + self.wall_limit_s
         while self.decided < n:
-            if t > limit_ms or state.steps >= max_steps or (
-                    deadline is not None and not state.steps & 1023 and time.perf_counter() > deadline):
+            steps = spec.steps
+            if t > limit_ms or steps >= max_steps or (
+                    deadline is not None and not steps & 1023 and time.perf_counter() > deadline):
                 bound = ("--max-sim-seconds" if t > limit_ms else "--max-steps"
-                         if state.steps >= max_steps else f"--cell-timeout ({self.wall_limit_s:g} s)")
-                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after {state.steps} "
+                         if steps >= max_steps else f"--cell-timeout ({self.wall_limit_s:g} s)")
+                self.cut_short = (f"stopped at simulated t={t / 1000:.6g} s after {steps} "
                                   f"protocol steps with {n - self.decided} request(s) undecided: "
                                   f"{bound} reached (raise it to go on)")
                 break
             if eager or env.peek() <= t:
                 yield from self._catch_up(t)
-            if not ranks[0].queue and not running:
+            queued = spec.queued()
+            if not queued and not running:
                 if self.pending == 0 and not self.active:   # nothing can arrive or land any more
                     self.stuck = len(self.prealloc)
                     break
@@ -580,17 +589,16 @@ class Simulation:
                 self.wake = None
                 t = env.now
                 continue
-            queued = len(ranks[0].queue)
             if queued:
                 s = t
                 if self.lazy:
                     self._drain(s)
                 # quiet: no event since the last step (every delivery counts in since_poll)
-                rec = apply(state, _STEP) if detail else stepper.step(self.since_poll == 0)
+                rec = apply(spec.general, _STEP) if detail else spec.step(self.since_poll == 0)
                 self.since_poll = 0
                 if self.trace is not None:
                     self.trace.step(rec, s)
-                found = step_violations(state, rec)
+                found = spec.violations(rec)
                 if found:
                     self.divergence = Divergence(rec.step, s, found[0])
                     break
@@ -605,13 +613,12 @@ class Simulation:
                 popped = self._record_pops(rec, t)
                 if (not popped and not self.since_poll and timeout is None and self.pending == 0
                         and not running and not self.active):   # nothing can change: held forever
-                    self.stuck = len(ranks[0].queue) + len(self.prealloc)
+                    self.stuck = spec.queued() + len(self.prealloc)
                     break
             # A decode step; with an empty transfer queue several run back to back (no
             # protocol step between them) until something is due or a request enqueues.
             nxt = env.peek() if not (queued or eager) else t
             done = self.decode_steps      # a local in this hot loop (nothing it calls reads it)
-            rank0 = ranks[0]
             while True:
                 done += 1
                 while running and running[0][0] <= done:
@@ -624,7 +631,7 @@ class Simulation:
                     t += idle()
                     break
                 t += forward()
-                if t >= nxt or rank0.queue:
+                if t >= nxt or spec.queued():
                     break
                 if not prealloc:
                     # Until the next request finishes (at step running[0][0]) the steps
@@ -663,9 +670,8 @@ class Simulation:
         if not aborted and popped.count(popped[0]) == len(popped):
             return len(popped[0])        # commits only, on every rank: no fence to wait for
         for k, rank_popped in enumerate(popped):
-            rs = self.state.ranks[k]
             for r, dec, _ in rank_popped:
-                if dec != _COMMIT and r in rs.landed and r not in rs.fenced:
+                if dec != _COMMIT and self.spec.fenceable(k, r):
                     self.pending += 1
                     ch, j = d.row(r)
                     _At(self.env, now + float(ch.fence_ms[j, k]) - self.env.now, self._fence, (k, r))
@@ -674,14 +680,12 @@ class Simulation:
     def _forget_done(self) -> None:
         """Let the spec drop decided requests no write can reach any more, so memory
         follows the requests in flight (their outcomes are in the results and trace)."""
-        ranks, keep = self.state.ranks, []
+        spec, keep = self.spec, []
         for r in self.to_forget:
-            for rs in ranks:
-                if r in rs.slot_of:
-                    keep.append(r)
-                    break
+            if spec.tracked(r):
+                keep.append(r)
             else:
-                forget(self.state, r)
+                spec.forget(r)
                 self.write_end.pop(r, None)
         self.to_forget = keep
 
@@ -700,9 +704,9 @@ class Simulation:
         if self.trace is not None:
             if self.divergence is not None:
                 self.trace.violation(self.divergence.violation, self.divergence.step)
-            self.trace.end(self.state.steps)
+            self.trace.end(self.spec.steps)
         return RunData(self.cfg, self.variant, self.wl, self.wl.arrival_ms,
                        np.frombuffer(self.commit_ms), np.frombuffer(self.kv_all_ms),
-                       np.frombuffer(self.outcome, dtype=np.int8), self.state.steps, self.decode_steps,
+                       np.frombuffer(self.outcome, dtype=np.int8), self.spec.steps, self.decode_steps,
                        self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
                        self.cut_short)

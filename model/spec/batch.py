@@ -130,18 +130,23 @@ def deliver(state: SystemState, req: int, codes: Sequence[int]) -> None:
     a refused event raises EventNotEnabled after the ones before it were performed, a
     code out of range before any is."""
     _require_live(state)
-    n = len(state.ranks)
-    decode = _DECODE.get(n)
-    if decode is None:
-        decode = _DECODE[n] = tuple(divmod(c, n) for c in range(4 * n))
+    _arrive(state, req, decode(len(state.ranks), codes))
+
+
+def decode(n: int, codes: Sequence[int]) -> list[tuple[int, int]]:
+    """The (kind, rank) of each event code at ``n`` ranks; EventNotEnabled naming the
+    first code that is not one of them."""
+    table = _DECODE.get(n)
+    if table is None:
+        table = _DECODE[n] = tuple(divmod(c, n) for c in range(4 * n))
     try:
-        events = [decode[c] for c in codes]
+        events = [table[c] for c in codes]
     except (IndexError, TypeError):
         events = None
     if events is None or min(codes, default=0) < 0:     # a negative index would wrap
         raise EventNotEnabled(f"deliver: event code {_bad_code(codes, 4 * n)} is not one of "
                               f"0..{4 * n - 1}")
-    _arrive(state, req, events)
+    return events
 
 
 def _bad_code(codes: Sequence[int], end: int) -> object:

@@ -1,0 +1,448 @@
+"""The system state held across ranks, for drivers that take millions of events (the
+simulator): the same transitions as ``machine.apply``, with each request's per-rank
+facts packed into rank bitmasks.
+
+Where admission is agreed and no failed slot is held (``packs(variant)``), every rank
+queues the same requests in the same order until the ranks decide a request
+differently, so a request's receivers, landed fields, fences and quarantines are one
+bit per rank and its age and outcome are one value: a step, an enqueue or a request's
+batch of writes touches a few ints instead of a dict entry on every rank. Only the
+metadata rows and the free lists stay per rank. The decisions are the kernel's own
+tables (``machine._tables``), the refusal messages ``machine._refusal``'s (on a view
+of the state: ``system()``).
+
+The first step whose outcome the packed form cannot hold (ranks that pop differently,
+or read different payloads: a divergence in the making) is taken by machine.py on
+``system()``, and from then on every event goes to machine.py on that state, as it
+does from the start for the other variants. ``system()`` is the SystemState ``apply``
+would have built: tests/spec/test_spec_packed.py checks it after every event of random
+walks of every variant, refusals, fallbacks and hangs included.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from model.spec import machine
+from model.spec.batch import Stepper, decode, deliver
+from model.spec.invariants import Violation, step_violations
+from model.spec.events import Fence, Step
+from model.spec.machine import (_AGES_FROM, _COMMIT, _FAILED, _KEEP, _NO_DEFERRAL, _SUCCESS,
+                                KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, EventNotEnabled,
+                                StepPops, StepRecord, _refusal, _tables)
+from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
+                              SystemState, initial_state)
+from model.spec.variants import Admission, FreeOrder, Variant
+
+__all__ = ["PackedState", "packs"]
+_STEP = Step()
+
+
+def packs(v: Variant) -> bool:
+    """The variants whose ranks keep equal queues by construction (until a divergence)."""
+    return v.admission is Admission.AGREED and v.defer_failed is _NO_DEFERRAL
+
+
+class _Req:
+    """One request on every rank: bit k of a mask is rank k."""
+    __slots__ = ("ok", "failed", "age", "slots", "payload", "room", "live", "fenced",
+                 "quarantined", "outcome", "foreign")
+
+    def __init__(self, slots: tuple[int, ...], live: int):
+        self.ok = self.failed = 0            # receivers latched Success / Failed
+        self.age = 0
+        self.slots = slots                   # its slot on each rank
+        self.payload = self.room = 0         # fields landed
+        self.live = live                     # ranks that keep its slot (writes may land)
+        self.fenced = self.quarantined = 0
+        self.outcome: tuple[str, int] | None = None    # once popped (the same on every rank)
+        # ranks where another request's late write hit its slot while it held it: where
+        # this bit is clear and its own field landed, the row holds its own value
+        self.foreign = 0
+
+
+class PackedState:
+    """A SystemState in packed form (see the module doc); ``general=True`` starts on
+    machine.py's form (a trace needs its step records)."""
+
+    def __init__(self, variant: Variant, n_ranks: int, n_slots: int, general: bool = False):
+        base = initial_state(variant, n_ranks, n_slots)
+        self.variant, self.n_ranks, self.n_slots = variant, n_ranks, n_slots
+        self.general: SystemState | None = base if general or not packs(variant) else None
+        self._steps = 0
+        self.requests: dict[int, Request] = {}
+        self.reqs: dict[int, _Req] = {}      # enqueued and not forgotten
+        self.queue: list[int] = []
+        self.room_at = [rs.room_at for rs in base.ranks]
+        self.payload_at = [rs.payload_at for rs in base.ranks]
+        self.free = [deque(rs.free) for rs in base.ranks]
+        self.all_ranks = (1 << n_ranks) - 1
+        self._kept: tuple[list[int], list[int]] | None = None   # a kept-all step's queue, MIN
+        self._no_pops = ((),) * n_ranks
+        self._codes = tuple((kind, k, 1 << k) for kind in range(4) for k in range(n_ranks))
+        self._tables = _tables(variant)
+        self._stepper = None if self.general is None else Stepper(self.general)
+
+    # -- views -----------------------------------------------------------------------
+    def system(self) -> SystemState:
+        """The state as machine.py holds it (a new object, unless fallen back)."""
+        if self.general is not None:
+            return self.general
+        ranks = []
+        for k in range(self.n_ranks):
+            bit = 1 << k
+            rs = RankState(list(self.queue), {}, {}, {}, {}, set(), set(), list(self.room_at[k]),
+                           list(self.payload_at[k]), list(self.free[k]))
+            for r, q in self.reqs.items():
+                if q.outcome is None:
+                    rs.recv[r] = _SUCCESS if q.ok & bit else _FAILED if q.failed & bit else WAITING
+                    rs.age[r] = q.age
+                else:
+                    rs.outcomes[r] = q.outcome
+                if q.live & bit:
+                    rs.slot_of[r] = q.slots[k]
+                    rs.landed[r] = (ROOM_BIT if q.room & bit else 0) | (
+                        PAYLOAD_BIT if q.payload & bit else 0)
+                    if q.fenced & bit:
+                        rs.fenced.add(r)
+                    if q.quarantined & bit:
+                        rs.quarantined.add(r)
+            ranks.append(rs)
+        return SystemState(self.variant, self.n_slots, ranks, dict(self.requests), self._steps)
+
+    def _fall_back(self) -> SystemState:
+        self.general = self.system()
+        self._stepper = Stepper(self.general)
+        self.reqs, self.queue = {}, []
+        return self.general
+
+    @property
+    def steps(self) -> int:
+        return self._steps if self.general is None else self.general.steps
+
+    @property
+    def hung(self) -> tuple[int, ...] | None:
+        return None if self.general is None else self.general.hung
+
+    def queued(self) -> int:
+        """How many requests rank 0 queues (every rank's count, in the packed form)."""
+        return len(self.queue) if self.general is None else len(self.general.ranks[0].queue)
+
+    def in_queue(self, rank: int, req: int) -> bool:
+        if self.general is not None:
+            return req in self.general.ranks[rank].recv
+        q = self.reqs.get(req)
+        return q is not None and q.outcome is None
+
+    def writes_pending(self, rank: int, req: int) -> bool:
+        """Rank ``rank`` keeps ``req``'s slot for writes not yet landed or fenced."""
+        if self.general is not None:
+            rs = self.general.ranks[rank]
+            return req in rs.landed and req not in rs.fenced and rs.landed[req] != ALL_FIELDS
+        q, bit = self.reqs.get(req), 1 << rank
+        return q is not None and bool(q.live & bit) and not q.fenced & bit and not (
+            q.room & q.payload & bit)
+
+    def fenceable(self, rank: int, req: int) -> bool:
+        """Rank ``rank`` tracks a write of ``req`` that is not fenced."""
+        if self.general is not None:
+            rs = self.general.ranks[rank]
+            return req in rs.landed and req not in rs.fenced
+        q, bit = self.reqs.get(req), 1 << rank
+        return q is not None and bool(q.live & bit) and not q.fenced & bit
+
+    def tracked(self, req: int) -> bool:
+        """Some rank still keeps a slot for ``req`` (forget must wait)."""
+        if self.general is not None:
+            return any(req in rs.slot_of for rs in self.general.ranks)
+        q = self.reqs.get(req)
+        return q is not None and q.live != 0
+
+    # -- environment events ----------------------------------------------------------
+    def admitting(self) -> bool:
+        """The next request can be enqueued (by every rank, or by some with local
+        admission)."""
+        if self.general is not None:
+            return bool(machine.admitting(self.general))
+        for free in self.free:
+            if not free:
+                return False
+        return True
+
+    def enqueue(self, req: int, room: int, payload: int) -> None:
+        if self.general is not None:
+            return machine.enqueue(self.general, req, room, payload)
+        if req in self.requests:
+            raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
+        for k, free in enumerate(self.free):
+            if not free:
+                raise EventNotEnabled(f"enqueue: rank {k} has no free metadata slot")
+        self.requests[req] = Request(room, payload)
+        self.reqs[req] = _Req(tuple([free.popleft() for free in self.free]), self.all_ranks)
+        self.queue.append(req)
+        self._kept = None
+
+    def deliver(self, req: int, codes: Sequence[int]) -> None:
+        """batch.deliver: each event ``kind * ranks + rank`` of ``req`` in order (a
+        refused one raises after those before it were performed; a bad code before any)."""
+        if self.general is not None:
+            return deliver(self.general, req, codes)
+        table = self._codes
+        try:
+            bad = bool(codes) and (min(codes) < 0 or max(codes) >= len(table))
+        except TypeError:
+            bad = True
+        if bad:
+            decode(self.n_ranks, codes)          # raises, naming the code
+        q = self.reqs.get(req)
+        if q is None or q.outcome is not None:   # late writes of a request that left
+            for code in codes:
+                self._arrive(req, q, *table[code])
+            return
+        self._kept = None
+        # Queued: its slot is kept and unfenced on every rank, so only the receivers'
+        # latches and the fields' order can refuse. The masks are written back before
+        # a refusal is raised (the events before it are performed).
+        ok, failed, payload, room = q.ok, q.failed, q.payload, q.room
+        after = self.variant.room_after_payload
+        slots, written = q.slots, self.requests[req]
+        refused = None
+        for code in codes:
+            kind, k, bit = table[code]
+            if kind == KV_DONE:
+                if (ok | failed) & bit:
+                    refused = kind, k
+                    break
+                ok |= bit
+            elif kind == KV_FAILED:
+                if failed & bit:
+                    refused = kind, k
+                    break
+                failed |= bit
+                ok &= ~bit
+            elif kind == PAYLOAD_LANDS:
+                if payload & bit:
+                    refused = kind, k
+                    break
+                self.payload_at[k][slots[k]] = written.payload
+                payload |= bit
+            else:
+                if room & bit or (after and not payload & bit):
+                    refused = kind, k
+                    break
+                self.room_at[k][slots[k]] = written.room
+                room |= bit
+        q.ok, q.failed, q.payload, q.room = ok, failed, payload, room
+        if refused is not None:
+            raise _refusal(self.system(), req, *refused)
+
+    def _arrive(self, req: int, q: _Req | None, kind: int, k: int, bit: int) -> None:
+        """machine._arrive of one event on the packed fields."""
+        if kind < PAYLOAD_LANDS:
+            if q is None or q.outcome is not None or q.failed & bit or (
+                    kind == KV_DONE and q.ok & bit):
+                raise _refusal(self.system(), req, kind, k)
+            if kind == KV_DONE:
+                q.ok |= bit
+            else:
+                q.failed |= bit
+                q.ok &= ~bit
+            return
+        room = kind == ROOM_LANDS
+        if q is None or not q.live & bit or (q.room if room else q.payload) & bit or (
+                q.fenced & bit) or (room and self.variant.room_after_payload and
+                                    not q.payload & bit):
+            raise _refusal(self.system(), req, kind, k)
+        written, slot = self.requests[req], q.slots[k]
+        if room:
+            self.room_at[k][slot] = written.room
+            q.room |= bit
+        else:
+            self.payload_at[k][slot] = written.payload
+            q.payload |= bit
+        self._mark_tenant(k, slot, bit)  # a late write (deliver performs queued requests')
+        self._writes_done(q, bit, k)
+
+    def _mark_tenant(self, k: int, slot: int, bit: int) -> None:
+        """A late write hit ``slot`` on rank k: its queued tenant's row is foreign there."""
+        for tenant in self.queue:
+            other = self.reqs[tenant]
+            if other.slots[k] == slot:
+                other.foreign |= bit
+                return
+
+    def _writes_done(self, q: _Req, bit: int, k: int) -> None:
+        """machine._writes_done on rank k of a request that left the queue."""
+        done = bool(q.room & q.payload & bit or q.fenced & bit)
+        if q.quarantined & bit and done:
+            q.quarantined &= ~bit
+            self._release(q.slots, self.all_ranks & ~bit)
+        if done:
+            q.live &= ~bit
+            q.fenced &= ~bit
+
+    def _release(self, slots: tuple[int, ...], kept: int) -> None:
+        """machine._free_slots: each rank's slot (of ``slots``) back to its free list,
+        zeroed first where the variant clears, except on the ranks in mask ``kept``."""
+        clear = self.variant.clear_on_free
+        if not kept:
+            if clear:
+                for rooms, slot in zip(self.room_at, slots):
+                    rooms[slot] = 0
+            for free, slot in zip(self.free, slots):
+                free.append(slot)
+            return
+        for k, slot in enumerate(slots):
+            if not kept >> k & 1:
+                if clear:
+                    self.room_at[k][slot] = 0
+                self.free[k].append(slot)
+
+    def fence(self, rank: int, req: int) -> None:
+        if self.general is not None:
+            machine.apply(self.general, Fence(rank, req))
+            return
+        q = self.reqs.get(req)
+        bit = 1 << rank if 0 <= rank < self.n_ranks else 0
+        if not bit or q is None or q.outcome is None or not q.live & bit or q.fenced & bit:
+            machine.apply(self.system(), Fence(rank, req))     # raises its refusal
+            raise AssertionError(f"fence ({rank}, {req}): refused here, enabled in machine.py")
+        q.fenced |= bit
+        self._writes_done(q, bit, rank)
+
+    def forget(self, req: int) -> None:
+        if self.general is not None:
+            return machine.forget(self.general, req)
+        q = self.reqs.get(req)
+        if q is None or q.outcome is None or q.live:
+            machine.forget(self.system(), req)                   # raises its refusal
+            raise AssertionError(f"forget {req}: refused here, allowed in machine.py")
+        del self.reqs[req], self.requests[req]
+
+    def violations(self, rec: StepPops | StepRecord) -> list[Violation]:
+        """invariants.step_violations of the step just taken. A packed step keeps the
+        queues equal and every rank's pops the same (else machine.py took it), so of
+        what a step can break only no_corruption is left to look for: on a commit that
+        read another payload, the full check on ``system()``."""
+        if self.general is not None:
+            return step_violations(self.general, rec)
+        requests = self.requests
+        for r, d, p in rec.popped[0]:
+            if d == _COMMIT and p != requests[r].payload:
+                return step_violations(self.system(), rec)
+        return []
+
+    # -- the protocol step -----------------------------------------------------------
+    def step(self, quiet: bool = False) -> StepPops:
+        """``apply(Step(), detail=False)``. ``quiet``: no event since the last step (as
+        batch.Stepper: a step that kept every request then keeps them again, unless a
+        timeout is reached)."""
+        if self.general is not None:
+            return self._stepper.step(quiet)
+        gate, pop, keeps = self._tables
+        timeout = self.variant.timeout_steps
+        queue, reqs = self.queue, self.reqs
+        kept = self._kept
+        if quiet and kept is not None and kept[0] is queue and (
+                timeout is None or all(reqs[r].age < timeout for r in queue)):
+            reduced = kept[1]
+        else:
+            reduced = self._reduce(gate, timeout)
+        popping = [pos for pos, red in enumerate(reduced) if not keeps[red]]
+        decided = self._decide(pop, reduced, popping) if popping else ()
+        if decided is None:                       # the ranks part: machine.py's step
+            self._fall_back()
+            return self._stepper.step(False)
+        step_no = self._steps
+        self._steps += 1
+        for red, r in zip(reduced, queue):
+            if red >= _AGES_FROM:
+                reqs[r].age += 1
+        if not decided:
+            self._kept = (queue, reduced) if not popping else None
+            return StepPops(step_no, self._no_pops)
+        self._kept = None
+        popped = tuple((queue[pos], d, p) for pos, d, p in decided)
+        leaving = [pos for pos, _, _ in decided]
+        self.queue = [r for pos, r in enumerate(queue) if pos not in leaving]
+        self._leave(popped, leaving)
+        return StepPops(step_no, (popped,) * self.n_ranks)
+
+    def _reduce(self, gate: tuple, timeout: int | None) -> list[int]:
+        """The MIN over ranks of each queued request's gated poll (machine._polls): the
+        kernel's gate table at each rank's poll, and its row's room against the
+        request's."""
+        out = []
+        requests, reqs, room_at, everyone = self.requests, self.reqs, self.room_at, self.all_ranks
+        for r in self.queue:
+            q = reqs[r]
+            expected = requests[r].room
+            base = (8 if timeout is not None and q.age >= timeout else 0) | (expected == 0) << 2
+            low = _SUCCESS
+            if q.ok == q.room == everyone and not q.foreign:
+                # every receiver latched Success and every row holds its own room
+                low = gate[_SUCCESS * 16 + base + (expected == 0) + 2]
+            elif q.ok == everyone:                # every receiver latched Success
+                base += _SUCCESS * 16
+                for row, slot in zip(room_at, q.slots):
+                    seen = row[slot]
+                    g = gate[base + ((seen == 0) | (seen == expected) << 1)]
+                    if g < low:
+                        low = g
+            else:
+                ok, failed, bit = q.ok, q.failed, 1
+                for row, slot in zip(room_at, q.slots):
+                    poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
+                    seen = row[slot]
+                    g = gate[poll * 16 + base + ((seen == 0) | (seen == expected) << 1)]
+                    if g < low:
+                        low = g
+                    bit <<= 1
+            out.append(low)
+        return out
+
+    def _decide(self, pop: tuple, reduced: list[int], popping: list[int]
+                ) -> list[tuple[int, int, int]] | None:
+        """(position, Decision, payload read) of each request the MIN lets leave, the
+        same on every rank; None if any rank decides or reads otherwise."""
+        out = []
+        requests, reqs, room_at, payload_at = self.requests, self.reqs, self.room_at, self.payload_at
+        queue, everyone = self.queue, self.all_ranks
+        for pos in popping:
+            r = queue[pos]
+            q, written = reqs[r], requests[r]
+            expected = written.room
+            row = reduced[pos] * 8 + ((expected == 0) << 2)
+            if q.room == q.payload == everyone and not q.foreign:   # its own rows everywhere
+                d = pop[row + (expected == 0) + 2]
+                if d != _KEEP:
+                    out.append((pos, d, written.payload if d == _COMMIT else 0))
+                continue
+            first = None
+            for rooms, payloads, slot in zip(room_at, payload_at, reqs[r].slots):
+                seen = rooms[slot]
+                d = pop[row + ((seen == 0) | (seen == expected) << 1)]
+                got = (d, payloads[slot]) if d == _COMMIT else d
+                if first is None:
+                    first = got
+                elif got != first:
+                    return None
+            if first != _KEEP:       # every rank keeps it (the MIN was Success, no room)
+                out.append((pos, *first) if type(first) is tuple else (pos, first, 0))
+        return out
+
+    def _leave(self, popped: tuple[tuple[int, int, int], ...], positions: list[int]) -> None:
+        """machine._leave, _free_slots and _forget_if_done on every rank at once: each
+        rank frees the slot now, or quarantines it while writes are pending there."""
+        if self.variant.free_order is not FreeOrder.QUEUE:
+            popped = machine._set_order(list(popped), positions)
+        quarantine, everyone = self.variant.fence_before_reuse, self.all_ranks
+        reqs = self.reqs
+        for r, d, payload in popped:
+            q = reqs[r]
+            q.outcome = ("commit", payload) if d == _COMMIT else ("abort", d)
+            done = (q.room & q.payload) | q.fenced       # ranks no write can reach any more
+            q.quarantined = everyone & ~done if quarantine else 0
+            self._release(q.slots, q.quarantined)
+            q.live &= ~done
+            q.fenced &= ~done
