@@ -46,7 +46,7 @@ def packs(v: Variant) -> bool:
 class _Req:
     """One request on every rank: bit k of a mask is rank k."""
     __slots__ = ("ok", "failed", "age", "slots", "payload", "room", "live", "fenced",
-                 "quarantined", "outcome", "foreign")
+                 "quarantined", "outcome", "foreign", "reduced", "timed")
 
     def __init__(self, slots: tuple[int, ...], live: int):
         self.ok = self.failed = 0            # receivers latched Success / Failed
@@ -59,6 +59,9 @@ class _Req:
         # ranks where another request's late write hit its slot while it held it: where
         # this bit is clear and its own field landed, the row holds its own value
         self.foreign = 0
+        # its last MIN and whether the timeout had passed then; -1: an event changed an
+        # input since (its receivers or rows), so the next step computes it again
+        self.reduced, self.timed = -1, 0
 
 
 class PackedState:
@@ -79,6 +82,7 @@ class PackedState:
         self.all_ranks = (1 << n_ranks) - 1
         self._kept: tuple[list[int], list[int]] | None = None   # a kept-all step's queue, MIN
         self._no_pops = ((),) * n_ranks
+        self._pow2 = tuple(1 << code for code in range(4 * n_ranks))
         self._codes = tuple((kind, k, 1 << k) for kind in range(4) for k in range(n_ranks))
         self._tables = _tables(variant)
         self._stepper = None if self.general is None else Stepper(self.general)
@@ -200,6 +204,9 @@ class PackedState:
                 self._arrive(req, q, *table[code])
             return
         self._kept = None
+        q.reduced = -1
+        if self._at_once(q, self.requests[req], codes):
+            return
         # Queued: its slot is kept and unfenced on every rank, so only the receivers'
         # latches and the fields' order can refuse. The masks are written back before
         # a refusal is raised (the events before it are performed).
@@ -236,6 +243,44 @@ class PackedState:
         if refused is not None:
             raise _refusal(self.system(), req, *refused)
 
+    def _at_once(self, q: _Req, written: Request, codes: Sequence[int]) -> bool:
+        """Perform the events of a queued request as one mask update where their order
+        cannot matter and none is refused (distinct events, no rank both done and
+        failed, no field landing twice, the room after its payload where the variant
+        orders them); False (nothing done) otherwise, for the loop in order."""
+        n = len(codes)
+        if n < 2 or len(set(codes)) != n:
+            return False
+        T, everyone = self.n_ranks, self.all_ranks
+        events = sum(map(self._pow2.__getitem__, codes))      # distinct: the sum is the OR
+        done, failed = events & everyone, events >> T & everyone
+        payload, room = events >> 2 * T & everyone, events >> 3 * T
+        if done & (q.ok | q.failed) or failed & q.failed or done & failed or (
+                payload & q.payload or room & q.room):
+            return False
+        unpaid = room & ~q.payload
+        if unpaid and self.variant.room_after_payload:
+            if unpaid & ~payload:
+                return False
+            position = codes.index
+            for k in range(T):
+                if unpaid >> k & 1 and position(3 * T + k) < position(2 * T + k):
+                    return False
+        q.ok = (q.ok | done) & ~failed
+        q.failed |= failed
+        for fields, rows, value in ((payload, self.payload_at, written.payload),
+                                    (room, self.room_at, written.room)):
+            if fields == everyone:
+                for row, slot in zip(rows, q.slots):
+                    row[slot] = value
+            elif fields:
+                for k, slot in enumerate(q.slots):
+                    if fields >> k & 1:
+                        rows[k][slot] = value
+        q.payload |= payload
+        q.room |= room
+        return True
+
     def _arrive(self, req: int, q: _Req | None, kind: int, k: int, bit: int) -> None:
         """machine._arrive of one event on the packed fields."""
         if kind < PAYLOAD_LANDS:
@@ -269,6 +314,7 @@ class PackedState:
             other = self.reqs[tenant]
             if other.slots[k] == slot:
                 other.foreign |= bit
+                other.reduced = -1
                 return
 
     def _writes_done(self, q: _Req, bit: int, k: int) -> None:
@@ -376,8 +422,12 @@ class PackedState:
         requests, reqs, room_at, everyone = self.requests, self.reqs, self.room_at, self.all_ranks
         for r in self.queue:
             q = reqs[r]
+            timed = 8 if timeout is not None and q.age >= timeout else 0
+            if q.reduced >= 0 and q.timed == timed:
+                out.append(q.reduced)
+                continue
             expected = requests[r].room
-            base = (8 if timeout is not None and q.age >= timeout else 0) | (expected == 0) << 2
+            base = timed | (expected == 0) << 2
             low = _SUCCESS
             if q.ok == q.room == everyone and not q.foreign:
                 # every receiver latched Success and every row holds its own room
@@ -398,6 +448,7 @@ class PackedState:
                     if g < low:
                         low = g
                     bit <<= 1
+            q.reduced, q.timed = low, timed
             out.append(low)
         return out
 
