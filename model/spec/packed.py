@@ -43,6 +43,12 @@ def packs(v: Variant) -> bool:
     return v.admission is Admission.AGREED and v.defer_failed is _NO_DEFERRAL
 
 
+def _put(rows: list[list[int]], slots: tuple[int, ...], value: int) -> None:
+    """rows[k][slots[k]] = value on every rank k."""
+    for row, slot in zip(rows, slots):
+        row[slot] = value
+
+
 class _Req:
     """One request on every rank: bit k of a mask is rank k."""
     __slots__ = ("ok", "failed", "age", "slots", "payload", "room", "live", "fenced",
@@ -80,7 +86,6 @@ class PackedState:
         self.payload_at = [rs.payload_at for rs in base.ranks]
         self.free = [deque(rs.free) for rs in base.ranks]
         self.all_ranks = (1 << n_ranks) - 1
-        self._kept: tuple[list[int], list[int]] | None = None   # a kept-all step's queue, MIN
         self._no_pops = ((),) * n_ranks
         self._pow2 = tuple(1 << code for code in range(4 * n_ranks))
         self._codes = tuple((kind, k, 1 << k) for kind in range(4) for k in range(n_ranks))
@@ -178,13 +183,12 @@ class PackedState:
             return machine.enqueue(self.general, req, room, payload)
         if req in self.requests:
             raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
-        for k, free in enumerate(self.free):
-            if not free:
-                raise EventNotEnabled(f"enqueue: rank {k} has no free metadata slot")
+        if not all(self.free):
+            full = next(k for k, free in enumerate(self.free) if not free)
+            raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
         self.requests[req] = Request(room, payload)
-        self.reqs[req] = _Req(tuple([free.popleft() for free in self.free]), self.all_ranks)
+        self.reqs[req] = _Req(tuple(map(deque.popleft, self.free)), self.all_ranks)
         self.queue.append(req)
-        self._kept = None
 
     def deliver(self, req: int, codes: Sequence[int]) -> None:
         """batch.deliver: each event ``kind * ranks + rank`` of ``req`` in order (a
@@ -203,7 +207,6 @@ class PackedState:
             for code in codes:
                 self._arrive(req, q, *table[code])
             return
-        self._kept = None
         q.reduced = -1
         if self._at_once(q, self.requests[req], codes):
             return
@@ -249,10 +252,14 @@ class PackedState:
         failed, no field landing twice, the room after its payload where the variant
         orders them); False (nothing done) otherwise, for the loop in order."""
         n = len(codes)
-        if n < 2 or len(set(codes)) != n:
+        if n < 2:
+            return False
+        events, bits = 0, self._pow2
+        for code in codes:
+            events |= bits[code]
+        if events.bit_count() != n:       # a code twice
             return False
         T, everyone = self.n_ranks, self.all_ranks
-        events = sum(map(self._pow2.__getitem__, codes))      # distinct: the sum is the OR
         done, failed = events & everyone, events >> T & everyone
         payload, room = events >> 2 * T & everyone, events >> 3 * T
         if done & (q.ok | q.failed) or failed & q.failed or done & failed or (
@@ -271,8 +278,7 @@ class PackedState:
         for fields, rows, value in ((payload, self.payload_at, written.payload),
                                     (room, self.room_at, written.room)):
             if fields == everyone:
-                for row, slot in zip(rows, q.slots):
-                    row[slot] = value
+                _put(rows, q.slots, value)
             elif fields:
                 for k, slot in enumerate(q.slots):
                     if fields >> k & 1:
@@ -333,10 +339,8 @@ class PackedState:
         clear = self.variant.clear_on_free
         if not kept:
             if clear:
-                for rooms, slot in zip(self.room_at, slots):
-                    rooms[slot] = 0
-            for free, slot in zip(self.free, slots):
-                free.append(slot)
+                _put(self.room_at, slots, 0)
+            deque(map(deque.append, self.free, slots), 0)    # each rank's append, in C
             return
         for k, slot in enumerate(slots):
             if not kept >> k & 1:
@@ -380,85 +384,85 @@ class PackedState:
 
     # -- the protocol step -----------------------------------------------------------
     def step(self, quiet: bool = False) -> StepPops:
-        """``apply(Step(), detail=False)``. ``quiet``: no event since the last step (as
-        batch.Stepper: a step that kept every request then keeps them again, unless a
-        timeout is reached)."""
+        """``apply(Step(), detail=False)``. ``quiet`` (no event since the last step)
+        lets machine.py's form repeat a step that kept every request (batch.Stepper);
+        the packed form keeps each request's MIN until an event changes it instead."""
         if self.general is not None:
             return self._stepper.step(quiet)
-        gate, pop, keeps = self._tables
-        timeout = self.variant.timeout_steps
-        queue, reqs = self.queue, self.reqs
-        kept = self._kept
-        if quiet and kept is not None and kept[0] is queue and (
-                timeout is None or all(reqs[r].age < timeout for r in queue)):
-            reduced = kept[1]
-        else:
-            reduced = self._reduce(gate, timeout)
-        popping = [pos for pos, red in enumerate(reduced) if not keeps[red]]
-        decided = self._decide(pop, reduced, popping) if popping else ()
+        queue = self.queue
+        reduced, popping, ageing = self._reduce()
+        decided = self._decide(reduced, popping) if popping else ()
         if decided is None:                       # the ranks part: machine.py's step
             self._fall_back()
             return self._stepper.step(False)
         step_no = self._steps
         self._steps += 1
-        for red, r in zip(reduced, queue):
-            if red >= _AGES_FROM:
-                reqs[r].age += 1
+        for q in ageing:
+            q.age += 1
         if not decided:
-            self._kept = (queue, reduced) if not popping else None
             return StepPops(step_no, self._no_pops)
-        self._kept = None
         popped = tuple((queue[pos], d, p) for pos, d, p in decided)
         leaving = [pos for pos, _, _ in decided]
         self.queue = [r for pos, r in enumerate(queue) if pos not in leaving]
         self._leave(popped, leaving)
         return StepPops(step_no, (popped,) * self.n_ranks)
 
-    def _reduce(self, gate: tuple, timeout: int | None) -> list[int]:
-        """The MIN over ranks of each queued request's gated poll (machine._polls): the
+    def _reduce(self) -> tuple[list[int], list[int], list[_Req]]:
+        """The MIN over ranks of each queued request's gated poll (machine._polls: the
         kernel's gate table at each rank's poll, and its row's room against the
-        request's."""
-        out = []
-        requests, reqs, room_at, everyone = self.requests, self.reqs, self.room_at, self.all_ranks
+        request's); the positions of those the MIN may let leave; and the requests that
+        age if kept (the MIN says every receiver latched Success)."""
+        out: list[int] = []
+        popping: list[int] = []
+        ageing: list[_Req] = []
+        keeps, timeout = self._tables[2], self.variant.timeout_steps
+        requests, reqs = self.requests, self.reqs
         for r in self.queue:
             q = reqs[r]
             timed = 8 if timeout is not None and q.age >= timeout else 0
-            if q.reduced >= 0 and q.timed == timed:
-                out.append(q.reduced)
-                continue
-            expected = requests[r].room
-            base = timed | (expected == 0) << 2
-            low = _SUCCESS
-            if q.ok == q.room == everyone and not q.foreign:
-                # every receiver latched Success and every row holds its own room
-                low = gate[_SUCCESS * 16 + base + (expected == 0) + 2]
-            elif q.ok == everyone:                # every receiver latched Success
-                base += _SUCCESS * 16
-                for row, slot in zip(room_at, q.slots):
-                    seen = row[slot]
-                    g = gate[base + ((seen == 0) | (seen == expected) << 1)]
-                    if g < low:
-                        low = g
-            else:
-                ok, failed, bit = q.ok, q.failed, 1
-                for row, slot in zip(room_at, q.slots):
-                    poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
-                    seen = row[slot]
-                    g = gate[poll * 16 + base + ((seen == 0) | (seen == expected) << 1)]
-                    if g < low:
-                        low = g
-                    bit <<= 1
-            q.reduced, q.timed = low, timed
+            low = q.reduced
+            if low < 0 or q.timed != timed:
+                low = q.reduced = self._min(q, requests[r].room, timed)
+                q.timed = timed
             out.append(low)
-        return out
+            if not keeps[low]:
+                popping.append(len(out) - 1)
+            if low >= _AGES_FROM:
+                ageing.append(q)
+        return out, popping, ageing
 
-    def _decide(self, pop: tuple, reduced: list[int], popping: list[int]
-                ) -> list[tuple[int, int, int]] | None:
+    def _min(self, q: _Req, expected: int, timed: int) -> int:
+        """One request's MIN (see _reduce)."""
+        gate, room_at, everyone = self._tables[0], self.room_at, self.all_ranks
+        base = timed | (expected == 0) << 2
+        if q.ok == q.room == everyone and not q.foreign:
+            # every receiver latched Success and every row holds its own room
+            return gate[_SUCCESS * 16 + base + (expected == 0) + 2]
+        low = _SUCCESS
+        if q.ok == everyone:                  # every receiver latched Success
+            base += _SUCCESS * 16
+            for row, slot in zip(room_at, q.slots):
+                seen = row[slot]
+                g = gate[base + ((seen == 0) | (seen == expected) << 1)]
+                if g < low:
+                    low = g
+            return low
+        ok, failed, bit = q.ok, q.failed, 1
+        for row, slot in zip(room_at, q.slots):
+            poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
+            seen = row[slot]
+            g = gate[poll * 16 + base + ((seen == 0) | (seen == expected) << 1)]
+            if g < low:
+                low = g
+            bit <<= 1
+        return low
+
+    def _decide(self, reduced: list[int], popping: list[int]) -> list[tuple[int, int, int]] | None:
         """(position, Decision, payload read) of each request the MIN lets leave, the
         same on every rank; None if any rank decides or reads otherwise."""
         out = []
         requests, reqs, room_at, payload_at = self.requests, self.reqs, self.room_at, self.payload_at
-        queue, everyone = self.queue, self.all_ranks
+        queue, everyone, pop = self.queue, self.all_ranks, self._tables[1]
         for pos in popping:
             r = queue[pos]
             q, written = reqs[r], requests[r]
