@@ -52,9 +52,11 @@ def _put(rows: list[list[int]], slots: tuple[int, ...], value: int) -> None:
 class _Req:
     """One request on every rank: bit k of a mask is rank k."""
     __slots__ = ("ok", "failed", "age", "slots", "payload", "room", "live", "fenced",
-                 "quarantined", "outcome", "foreign", "reduced", "timed")
+                 "quarantined", "outcome", "foreign", "reduced", "timed", "sent_room",
+                 "sent_payload")
 
-    def __init__(self, slots: tuple[int, ...], live: int):
+    def __init__(self, room: int, payload: int, slots: tuple[int, ...], live: int):
+        self.sent_room, self.sent_payload = room, payload    # its metadata row, as written
         self.ok = self.failed = 0            # receivers latched Success / Failed
         self.age = 0
         self.slots = slots                   # its slot on each rank
@@ -79,7 +81,6 @@ class PackedState:
         self.variant, self.n_ranks, self.n_slots = variant, n_ranks, n_slots
         self.general: SystemState | None = base if general or not packs(variant) else None
         self._steps = 0
-        self.requests: dict[int, Request] = {}
         self.reqs: dict[int, _Req] = {}      # enqueued and not forgotten
         self.queue: list[int] = []
         self.room_at = [rs.room_at for rs in base.ranks]
@@ -117,7 +118,7 @@ class PackedState:
                     if q.quarantined & bit:
                         rs.quarantined.add(r)
             ranks.append(rs)
-        return SystemState(self.variant, self.n_slots, ranks, dict(self.requests), self._steps)
+        return SystemState(self.variant, self.n_slots, ranks, {r: Request(q.sent_room, q.sent_payload) for r, q in self.reqs.items()}, self._steps)
 
     def _fall_back(self) -> SystemState:
         self.general = self.system()
@@ -181,13 +182,12 @@ class PackedState:
     def enqueue(self, req: int, room: int, payload: int) -> None:
         if self.general is not None:
             return machine.enqueue(self.general, req, room, payload)
-        if req in self.requests:
+        if req in self.reqs:
             raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
         if not all(self.free):
             full = next(k for k, free in enumerate(self.free) if not free)
             raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
-        self.requests[req] = Request(room, payload)
-        self.reqs[req] = _Req(tuple(map(deque.popleft, self.free)), self.all_ranks)
+        self.reqs[req] = _Req(room, payload, tuple(map(deque.popleft, self.free)), self.all_ranks)
         self.queue.append(req)
 
     def deliver(self, req: int, codes: Sequence[int]) -> None:
@@ -208,14 +208,14 @@ class PackedState:
                 self._arrive(req, q, *table[code])
             return
         q.reduced = -1
-        if self._at_once(q, self.requests[req], codes):
+        if self._at_once(q, codes):
             return
         # Queued: its slot is kept and unfenced on every rank, so only the receivers'
         # latches and the fields' order can refuse. The masks are written back before
         # a refusal is raised (the events before it are performed).
         ok, failed, payload, room = q.ok, q.failed, q.payload, q.room
         after = self.variant.room_after_payload
-        slots, written = q.slots, self.requests[req]
+        slots = q.slots
         refused = None
         for code in codes:
             kind, k, bit = table[code]
@@ -234,19 +234,19 @@ class PackedState:
                 if payload & bit:
                     refused = kind, k
                     break
-                self.payload_at[k][slots[k]] = written.payload
+                self.payload_at[k][slots[k]] = q.sent_payload
                 payload |= bit
             else:
                 if room & bit or (after and not payload & bit):
                     refused = kind, k
                     break
-                self.room_at[k][slots[k]] = written.room
+                self.room_at[k][slots[k]] = q.sent_room
                 room |= bit
         q.ok, q.failed, q.payload, q.room = ok, failed, payload, room
         if refused is not None:
             raise _refusal(self.system(), req, *refused)
 
-    def _at_once(self, q: _Req, written: Request, codes: Sequence[int]) -> bool:
+    def _at_once(self, q: _Req, codes: Sequence[int]) -> bool:
         """Perform the events of a queued request as one mask update where their order
         cannot matter and none is refused (distinct events, no rank both done and
         failed, no field landing twice, the room after its payload where the variant
@@ -275,8 +275,8 @@ class PackedState:
                     return False
         q.ok = (q.ok | done) & ~failed
         q.failed |= failed
-        for fields, rows, value in ((payload, self.payload_at, written.payload),
-                                    (room, self.room_at, written.room)):
+        for fields, rows, value in ((payload, self.payload_at, q.sent_payload),
+                                    (room, self.room_at, q.sent_room)):
             if fields == everyone:
                 _put(rows, q.slots, value)
             elif fields:
@@ -304,12 +304,12 @@ class PackedState:
                 q.fenced & bit) or (room and self.variant.room_after_payload and
                                     not q.payload & bit):
             raise _refusal(self.system(), req, kind, k)
-        written, slot = self.requests[req], q.slots[k]
+        slot = q.slots[k]
         if room:
-            self.room_at[k][slot] = written.room
+            self.room_at[k][slot] = q.sent_room
             q.room |= bit
         else:
-            self.payload_at[k][slot] = written.payload
+            self.payload_at[k][slot] = q.sent_payload
             q.payload |= bit
         self._mark_tenant(k, slot, bit)  # a late write (deliver performs queued requests')
         self._writes_done(q, bit, k)
@@ -367,7 +367,7 @@ class PackedState:
         if q is None or q.outcome is None or q.live:
             machine.forget(self.system(), req)                   # raises its refusal
             raise AssertionError(f"forget {req}: refused here, allowed in machine.py")
-        del self.reqs[req], self.requests[req]
+        del self.reqs[req]
 
     def violations(self, rec: StepPops | StepRecord) -> list[Violation]:
         """invariants.step_violations of the step just taken. A packed step keeps the
@@ -376,9 +376,9 @@ class PackedState:
         read another payload, the full check on ``system()``."""
         if self.general is not None:
             return step_violations(self.general, rec)
-        requests = self.requests
+        reqs = self.reqs
         for r, d, p in rec.popped[0]:
-            if d == _COMMIT and p != requests[r].payload:
+            if d == _COMMIT and p != reqs[r].sent_payload:
                 return step_violations(self.system(), rec)
         return []
 
@@ -416,13 +416,13 @@ class PackedState:
         popping: list[int] = []
         ageing: list[_Req] = []
         keeps, timeout = self._tables[2], self.variant.timeout_steps
-        requests, reqs = self.requests, self.reqs
+        reqs = self.reqs
         for r in self.queue:
             q = reqs[r]
             timed = 8 if timeout is not None and q.age >= timeout else 0
             low = q.reduced
             if low < 0 or q.timed != timed:
-                low = q.reduced = self._min(q, requests[r].room, timed)
+                low = q.reduced = self._min(q, q.sent_room, timed)
                 q.timed = timed
             out.append(low)
             if not keeps[low]:
@@ -461,17 +461,17 @@ class PackedState:
         """(position, Decision, payload read) of each request the MIN lets leave, the
         same on every rank; None if any rank decides or reads otherwise."""
         out = []
-        requests, reqs, room_at, payload_at = self.requests, self.reqs, self.room_at, self.payload_at
+        reqs, room_at, payload_at = self.reqs, self.room_at, self.payload_at
         queue, everyone, pop = self.queue, self.all_ranks, self._tables[1]
         for pos in popping:
             r = queue[pos]
-            q, written = reqs[r], requests[r]
-            expected = written.room
+            q = reqs[r]
+            expected = q.sent_room
             row = reduced[pos] * 8 + ((expected == 0) << 2)
             if q.room == q.payload == everyone and not q.foreign:   # its own rows everywhere
                 d = pop[row + (expected == 0) + 2]
                 if d != _KEEP:
-                    out.append((pos, d, written.payload if d == _COMMIT else 0))
+                    out.append((pos, d, q.sent_payload if d == _COMMIT else 0))
                 continue
             first = None
             for rooms, payloads, slot in zip(room_at, payload_at, reqs[r].slots):
