@@ -43,6 +43,16 @@ def packs(v: Variant) -> bool:
     return v.admission is Admission.AGREED and v.defer_failed is _NO_DEFERRAL
 
 
+def _row_free(gate: tuple) -> tuple[tuple, tuple]:
+    """From the gate table (index poll * 16 + 8 * timed + compare_index), per poll and
+    (timed, expected room 0), i.e. per index // 4: the value where it is the same for
+    every seen room (the gate reads no row there), else None; and per (timed, expected
+    room 0) the least value a Success can give."""
+    values = [{g for g in gate[i:i + 4] if g is not None} for i in range(0, len(gate), 4)]
+    unread = tuple(next(iter(v)) if len(v) == 1 else None for v in values)
+    return unread, tuple(min(v) for v in values[_SUCCESS * 4:_SUCCESS * 4 + 4])
+
+
 def _put(rows: list[list[int]], slots: tuple[int, ...], value: int) -> None:
     """rows[k][slots[k]] = value on every rank k."""
     for row, slot in zip(rows, slots):
@@ -91,6 +101,7 @@ class PackedState:
         self._pow2 = tuple(1 << code for code in range(4 * n_ranks))
         self._codes = tuple((kind, k, 1 << k) for kind in range(4) for k in range(n_ranks))
         self._tables = _tables(variant)
+        self._unread, self._success_floor = _row_free(self._tables[0])
         self._stepper = None if self.general is None else Stepper(self.general)
 
     # -- views -----------------------------------------------------------------------
@@ -439,7 +450,20 @@ class PackedState:
             # every receiver latched Success and every row holds its own room
             return gate[_SUCCESS * 16 + base + (expected == 0) + 2]
         low = _SUCCESS
-        if q.ok == everyone:                  # every receiver latched Success
+        ok, failed = q.ok, q.failed
+        if ok != everyone:
+            # The ranks that have not latched Success give the gate table's value for
+            # their poll where it reads no row (see _unread); the Success ones count
+            # only where their least value could be lower still.
+            flat = self._unread
+            low_failed = flat[_FAILED * 4 + base // 4] if failed else _SUCCESS
+            low_waiting = flat[WAITING * 4 + base // 4] if everyone & ~(ok | failed) else _SUCCESS
+            if low_failed is not None and low_waiting is not None:
+                low = min(low_failed, low_waiting)
+                if not ok or self._success_floor[base // 4] >= low:
+                    return low
+                low = _SUCCESS        # the loop below finds it, Success ranks included
+        if ok == everyone:                    # every receiver latched Success
             base += _SUCCESS * 16
             for row, slot in zip(room_at, q.slots):
                 seen = row[slot]
@@ -447,7 +471,7 @@ class PackedState:
                 if g < low:
                     low = g
             return low
-        ok, failed, bit = q.ok, q.failed, 1
+        bit = 1
         for row, slot in zip(room_at, q.slots):
             poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
             seen = row[slot]
