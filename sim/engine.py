@@ -680,13 +680,12 @@ class Simulation:
     def _forget_done(self) -> None:
         """Let the spec drop decided requests no write can reach any more, so memory
         follows the requests in flight (their outcomes are in the results and trace)."""
-        spec, keep = self.spec, []
-        for r in self.to_forget:
-            if spec.tracked(r):
-                keep.append(r)
-            else:
-                spec.forget(r)
-                self.write_end.pop(r, None)
+        keep = self.spec.forget_done(self.to_forget)
+        if self.write_end:
+            held = set(keep)
+            for r in self.to_forget:
+                if r not in held:
+                    self.write_end.pop(r, None)
         self.to_forget = keep
 
     def run(self) -> RunData:

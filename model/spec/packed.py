@@ -371,6 +371,28 @@ class PackedState:
         q.fenced |= bit
         self._writes_done(q, bit, rank)
 
+    def forget_done(self, reqs: Sequence[int]) -> list[int]:
+        """``forget`` each request of ``reqs`` that no rank keeps a slot for any more;
+        returns the others (still written somewhere), in order."""
+        kept = []
+        if self.general is not None:
+            for r in reqs:
+                if self.tracked(r):
+                    kept.append(r)
+                else:
+                    self.forget(r)
+            return kept
+        packed = self.reqs
+        for r in reqs:
+            q = packed.get(r)
+            if q is not None and q.live:
+                kept.append(r)
+            elif q is not None and q.outcome is not None:
+                del packed[r]
+            else:
+                self.forget(r)           # raises its refusal
+        return kept
+
     def forget(self, req: int) -> None:
         if self.general is not None:
             return machine.forget(self.general, req)
