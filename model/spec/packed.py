@@ -219,8 +219,12 @@ class PackedState:
                 self._arrive(req, q, *table[code])
             return
         q.reduced = -1
-        if self._at_once(q, codes):
-            return
+        if len(codes) > 1:
+            events, bits = 0, self._pow2
+            for code in codes:
+                events |= bits[code]
+            if events.bit_count() == len(codes) and self._at_once(q, events, codes):
+                return               # (distinct codes: a code twice goes to the loop)
         # Queued: its slot is kept and unfenced on every rank, so only the receivers'
         # latches and the fields' order can refuse. The masks are written back before
         # a refusal is raised (the events before it are performed).
@@ -257,19 +261,29 @@ class PackedState:
         if refused is not None:
             raise _refusal(self.system(), req, *refused)
 
-    def _at_once(self, q: _Req, codes: Sequence[int]) -> bool:
-        """Perform the events of a queued request as one mask update where their order
-        cannot matter and none is refused (distinct events, no rank both done and
-        failed, no field landing twice, the room after its payload where the variant
-        orders them); False (nothing done) otherwise, for the loop in order."""
-        n = len(codes)
-        if n < 2:
-            return False
-        events, bits = 0, self._pow2
-        for code in codes:
-            events |= bits[code]
-        if events.bit_count() != n:       # a code twice
-            return False
+    def deliver_set(self, req: int, events: int) -> None:
+        """``deliver`` of the codes in the set ``events`` (bit ``code``), in code order:
+        every KvDone, then every Fail, every payload, every room. A driver may hand a
+        request's events over so when that order is as good as its own: events on
+        different ranks commute (each touches its rank's receiver, row and slot), so it
+        holds where each rank's events come in kind order, as KV, then payload, then
+        room do in the simulator's physics."""
+        if type(events) is not int or events < 0 or events >> len(self._codes):
+            raise EventNotEnabled(f"deliver_set: {events!r} is not a set of event codes "
+                                  f"0..{len(self._codes) - 1}")
+        q = self.reqs.get(req) if self.general is None else None
+        if q is not None and q.outcome is None:
+            q.reduced = -1
+            if self._at_once(q, events, None):
+                return
+        self.deliver(req, [code for code in range(len(self._codes)) if events >> code & 1])
+
+    def _at_once(self, q: _Req, events: int, codes: Sequence[int] | None) -> bool:
+        """Perform the set of events ``events`` of a queued request (``codes``: their
+        order, None for code order) as one mask update where their order cannot matter
+        and none is refused (no rank both done and failed, no field landing twice, the
+        room after its payload where the variant orders them); False (nothing done)
+        otherwise, for the loop in order."""
         T, everyone = self.n_ranks, self.all_ranks
         done, failed = events & everyone, events >> T & everyone
         payload, room = events >> 2 * T & everyone, events >> 3 * T
@@ -280,10 +294,11 @@ class PackedState:
         if unpaid and self.variant.room_after_payload:
             if unpaid & ~payload:
                 return False
-            position = codes.index
-            for k in range(T):
-                if unpaid >> k & 1 and position(3 * T + k) < position(2 * T + k):
-                    return False
+            if codes is not None:       # (in code order each payload precedes its room)
+                position = codes.index
+                for k in range(T):
+                    if unpaid >> k & 1 and position(3 * T + k) < position(2 * T + k):
+                        return False
         q.ok = (q.ok | done) & ~failed
         q.failed |= failed
         for fields, rows, value in ((payload, self.payload_at, q.sent_payload),

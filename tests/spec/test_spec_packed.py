@@ -100,7 +100,7 @@ def test_packed_batches_and_forget_match_apply():
     from model.spec.batch import deliver
     from model.spec.machine import forget
     rng = random.Random(5)
-    batches = forgotten = 0
+    batches = forgotten = sets = 0
     for _ in range(300):
         v = rng.choice([u for u in ALL if packs(u)])
         n = rng.randint(1, 4)
@@ -109,7 +109,13 @@ def test_packed_batches_and_forget_match_apply():
             assert _reference(ref, ev) == _perform(packed, ev, False)
             req = rng.randint(0, max(nxt - 1, 0))
             codes = [rng.randrange(4 * n) for _ in range(rng.randint(1, 3 * n))]
-            assert _outcome(deliver, ref, req, codes) == _outcome(packed.deliver, req, codes)
+            if rng.random() < 0.5:
+                assert _outcome(deliver, ref, req, codes) == _outcome(packed.deliver, req, codes)
+            else:       # the set of those events, in code order
+                events = sum(1 << c for c in set(codes))
+                assert _outcome(deliver, ref, req, sorted(set(codes))) == _outcome(
+                    packed.deliver_set, req, events)
+                sets += 1
             batches += 1
             want = _outcome(forget, ref, req)
             if rng.random() < 0.5:
@@ -121,7 +127,9 @@ def test_packed_batches_and_forget_match_apply():
                                        else [(None, [req])])
             forgotten += want is None
             assert packed.system().key() == ref.key()
-    assert batches > 3000 and forgotten > 50
+    assert batches > 3000 and forgotten > 50 and sets > 1000
+    for bad in (-1, 1 << (4 * n), 2.0, True):
+        assert "not a set of event codes" in _outcome(packed.deliver_set, 0, bad)
 
 
 @pytest.mark.parametrize("rule,test", [
