@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import simpy
-from simpy.events import URGENT, Event
+from simpy.events import NORMAL, URGENT, Event
 
 from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
@@ -115,6 +115,19 @@ class _At(Event):
 
     def _fire(self, _: Event) -> None:
         self.fn(self.arg)
+
+
+class _Tick(Event):
+    """The scheduler's wait of ``delay`` (a Timeout, reused: SimPy orders by time, priority
+    and scheduling order, so a fresh Timeout would sort the same)."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env, self._value, self._ok, self.callbacks = env, None, True, None
+
+    def after(self, delay: float) -> "_Tick":
+        self.callbacks = []          # the process that yields it adds its resume
+        self.env.schedule(self, NORMAL, delay)
+        return self
 
 
 class _Timeline:
@@ -226,6 +239,7 @@ class Simulation:
         self.since_poll = 0       # environment events since the last protocol step
         self.to_forget: list[int] = []   # decided requests whose records the spec may drop
         self.wake: Event | None = None
+        self.tick = _Tick(self.env)
         self.divergence: Divergence | None = None
         self.stuck = 0
         self.spans: list[tuple] = []
@@ -564,7 +578,7 @@ class Simulation:
             yield env.timeout(t - env.now)
             return
         while env.peek() <= t:
-            yield env.timeout(max(0.0, t - env.now))
+            yield self.tick.after(max(0.0, t - env.now))
 
     def _scheduler(self):
         env, state, cfg = self.env, self.state, self.cfg
