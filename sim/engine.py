@@ -154,6 +154,8 @@ class _Timeline:
         Those are a prefix: offsets are sorted and base + offset grows with the offset.
         The bisect on ``now - base`` (rounded) lands at the boundary or next to it."""
         offsets, base, pos = self.offsets, self.base, self.pos
+        if base + offsets[-1] <= now:      # all of them: the usual case at a step
+            return len(offsets)
         end = bisect_right(offsets, now - base, pos)
         while end > pos and base + offsets[end - 1] > now:
             end -= 1
@@ -273,19 +275,19 @@ class Simulation:
                 self.trace.event(ev, now)
 
     def _prefill_plan(self) -> tuple[list[float], list[int], list[int]]:
-        """Prefill completion instants (their distinct times, in order), where each
-        instant's requests start in the third list (and a last end), and the requests in
-        completion order. Prefill depends on nothing the decode side does (FIFO servers,
-        fixed durations), so it is planned up front and SimPy gets one event per
-        completion instant, none per arrival."""
+        """The prefill completion instants: their distinct times in order; for each, the
+        index of its first request in the third list (and one end index after the last);
+        the requests in completion order. Prefill depends on nothing the decode side does
+        (FIFO servers, fixed durations), so it is planned up front and SimPy gets one
+        event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        done = np.empty(len(self.wl))
-        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
-            end = max(t, heapq.heappop(servers)) + dur
-            heapq.heappush(servers, end)
-            done[i] = end
+        done = []
+        for t, dur in zip(self.arrivals, self.d.prefill_ms.tolist()):
+            end = max(t, servers[0]) + dur
+            heapq.heapreplace(servers, end)       # the earliest free server takes it
+            done.append(end)
         order = np.argsort(done, kind="stable")
-        done = done[order]
+        done = np.array(done)[order]
         firsts = np.flatnonzero(np.diff(done, prepend=-np.inf))   # where the time changes
         # lists: an index and a slice per instant
         return done[firsts].tolist(), firsts.tolist() + [len(done)], order.tolist()
