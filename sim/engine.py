@@ -99,6 +99,14 @@ def _refused(exc: EventNotEnabled) -> None:
     raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
 
 
+def _array_of(typecode: str, values: np.ndarray) -> array:
+    """A copy of a numpy array of that item size, sized exactly (array() from bytes
+    over-allocates by 1/16, and a chunk's layout is large) and without a bytes copy."""
+    out = array(typecode, [0]) * values.size
+    memoryview(out).cast("B")[:] = memoryview(np.ascontiguousarray(values)).cast("B")
+    return out
+
+
 class _At(Event):
     """A callback at now + delay, URGENT so it precedes a scheduler step at that time."""
 
@@ -274,34 +282,33 @@ class Simulation:
             for ev in events:
                 self.trace.event(ev, now)
 
-    def _prefill_plan(self) -> tuple[list[float], list[int], list[int]]:
-        """The prefill completion instants: their distinct times in order; for each, the
-        index of its first request in the third list (and one end index after the last);
-        the requests in completion order. Prefill depends on nothing the decode side does
-        (FIFO servers, fixed durations), so it is planned up front and SimPy gets one
-        event per completion instant, none per arrival."""
+    def _prefill_plan(self) -> tuple[list[float], list[int]]:
+        """Prefill completion times and requests, in completion order. Prefill depends
+        on nothing the decode side does (FIFO servers, fixed durations), so it is planned
+        up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        done = []
+        done = array("d")
         for t, dur in zip(self.arrivals, self.d.prefill_ms.tolist()):
             end = max(t, servers[0]) + dur
             heapq.heapreplace(servers, end)       # the earliest free server takes it
             done.append(end)
-        order = np.argsort(done, kind="stable")
-        done = np.array(done)[order]
-        firsts = np.flatnonzero(np.diff(done, prepend=-np.inf))   # where the time changes
-        # lists: an index and a slice per instant
-        return done[firsts].tolist(), firsts.tolist() + [len(done)], order.tolist()
+        order = np.argsort(np.frombuffer(done), kind="stable")
+        return np.frombuffer(done)[order].tolist(), order.tolist()   # lists: an index and a slice per completion
 
-    def _prefilled(self, k: int) -> None:
-        """Every prefill completing at the plan's ``k``-th instant joins the prealloc queue."""
-        times, firsts, reqs = self.plan
-        self.prealloc.extend(reqs[firsts[k]:firsts[k + 1]])
-        k += 1
-        if k < len(times):
-            self.prefill_due.arg = k
-            self.prefill_due.again(times[k] - self.env.now)
+    def _prefilled(self, pos: int) -> None:
+        """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
+        times, reqs = self.plan
+        now, end = times[pos], len(times)
+        stop = pos + 1
+        if stop < end and times[stop] == now:     # (rare: the bisect only for ties)
+            stop = bisect_right(times, now, stop)
+        self.prealloc.extend(reqs[pos:stop])
+        pos = stop
+        if pos < end:
+            self.prefill_due.arg = pos
+            self.prefill_due.again(times[pos] - self.env.now)
         self._admit(self.env.now)
-        if k == len(times):
+        if pos == end:
             self._settle()
 
     def _finish(self, now: float) -> None:
@@ -375,8 +382,7 @@ class Simulation:
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
         count = np.isfinite(rel).sum(axis=1).tolist()
         kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
-        out = (array("d", rel.tobytes()), array("q", codes.tobytes()), count,
-               np.where(meta, room, -math.inf), kv_all)
+        out = (_array_of("d", rel), _array_of("q", codes), count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
