@@ -292,8 +292,9 @@ class Simulation:
             end = max(t, servers[0]) + dur
             heapq.heapreplace(servers, end)       # the earliest free server takes it
             done.append(end)
-        order = np.argsort(np.frombuffer(done), kind="stable")
-        return np.frombuffer(done)[order].tolist(), order.tolist()   # lists: an index and a slice per completion
+        times = np.frombuffer(done)
+        order = np.argsort(times, kind="stable")
+        return times[order].tolist(), order.tolist()     # lists: an index and a slice per completion
 
     def _prefilled(self, pos: int) -> None:
         """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
