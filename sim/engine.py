@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import simpy
-from simpy.events import URGENT, Event
+from simpy.events import NORMAL, URGENT, Event
 
 from model.spec.batch import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, Fence, KvDone, Land, Step
@@ -97,6 +97,14 @@ def _refused(exc: EventNotEnabled) -> None:
     raise RuntimeError(f"simulator delivered an event the spec refuses: {exc}") from exc
 
 
+def _array_of(typecode: str, values: np.ndarray) -> array:
+    """A copy of a numpy array of that item size, sized exactly (array() from bytes
+    over-allocates by 1/16, and a chunk's layout is large) and without a bytes copy."""
+    out = array(typecode, [0]) * values.size
+    memoryview(out).cast("B")[:] = memoryview(np.ascontiguousarray(values)).cast("B")
+    return out
+
+
 class _At(Event):
     """A callback at now + delay, URGENT so it precedes a scheduler step at that time."""
 
@@ -115,6 +123,19 @@ class _At(Event):
         self.fn(self.arg)
 
 
+class _Tick(Event):
+    """The scheduler's wait of ``delay`` (a Timeout, reused: SimPy orders by time, priority
+    and scheduling order, so a fresh Timeout would sort the same)."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env, self._value, self._ok, self.callbacks = env, None, True, None
+
+    def after(self, delay: float) -> "_Tick":
+        self.callbacks = []          # the process that yields it adds its resume
+        self.env.schedule(self, NORMAL, delay)
+        return self
+
+
 class _Timeline:
     """One request's per-rank events (KV, then metadata), in time order: event ``k`` at
     ``base + offsets[k]`` (offsets from the enqueue, as laid out, need no per-request
@@ -124,11 +145,10 @@ class _Timeline:
     their times (keeps memory per request small)."""
     __slots__ = ("req", "base", "offsets", "codes", "pos", "due", "lazy")
 
-    def __init__(self, req: int, base: float, offsets: Sequence[float] | bytes,
-                 codes: Sequence[int] | bytes):
-        # (bytes: the machine's float64 / int64 values, which array() takes as they are)
+    def __init__(self, req: int, base: float, offsets: array, codes: array):
+        # (arrays, kept as given: an enqueue passes fresh slices of its chunk's layout)
         self.req, self.base, self.pos = req, base, 0
-        self.offsets, self.codes = array("d", offsets), array("q", codes)
+        self.offsets, self.codes = offsets, codes
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
         self.lazy = False
 
@@ -140,6 +160,8 @@ class _Timeline:
         Those are a prefix: offsets are sorted and base + offset grows with the offset.
         The bisect on ``now - base`` (rounded) lands at the boundary or next to it."""
         offsets, base, pos = self.offsets, self.base, self.pos
+        if base + offsets[-1] <= now:      # all of them: the usual case at a step
+            return len(offsets)
         end = bisect_right(offsets, now - base, pos)
         while end > pos and base + offsets[end - 1] > now:
             end -= 1
@@ -227,6 +249,7 @@ class Simulation:
         self.since_poll = 0       # environment events since the last protocol step
         self.to_forget: list[int] = []   # decided requests whose records the spec may drop
         self.wake: Event | None = None
+        self.tick = _Tick(self.env)
         self.divergence: Divergence | None = None
         self.stuck = 0
         self.spans: list[tuple] = []
@@ -236,6 +259,7 @@ class Simulation:
         # timeline code -> (kind, rank): a table lookup instead of a divmod per event
         self.decode = [divmod(code, T) for code in range(4 * T)]
         self.eager = eager or trace is not None
+        self.per_event = bool(cfg.stalls) or record_spans     # timelines built by _timeline_of
         self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
         self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
         self.end_ms = 0.0
@@ -263,19 +287,22 @@ class Simulation:
         on nothing the decode side does (FIFO servers, fixed durations), so it is planned
         up front and SimPy gets one event per completion instant, none per arrival."""
         servers = [0.0] * self.cfg.prefill_servers
-        done = np.empty(len(self.wl))
-        for i, (t, dur) in enumerate(zip(self.arrivals, self.d.prefill_ms.tolist())):
-            end = max(t, heapq.heappop(servers)) + dur
-            heapq.heappush(servers, end)
-            done[i] = end
-        order = np.argsort(done, kind="stable")
-        return done[order].tolist(), order.tolist()     # lists: a bisect and a slice per completion
+        done = array("d")
+        for t, dur in zip(self.arrivals, self.d.prefill_ms.tolist()):
+            end = max(t, servers[0]) + dur
+            heapq.heapreplace(servers, end)       # the earliest free server takes it
+            done.append(end)
+        times = np.frombuffer(done)
+        order = np.argsort(times, kind="stable")
+        return times[order].tolist(), order.tolist()     # lists: an index and a slice per completion
 
     def _prefilled(self, pos: int) -> None:
         """Every prefill completing at the plan's ``pos``-th time joins the prealloc queue."""
         times, reqs = self.plan
         now, end = times[pos], len(times)
-        stop = bisect_right(times, now, pos)
+        stop = pos + 1
+        if stop < end and times[stop] == now:     # (rare: the bisect only for ties)
+            stop = bisect_right(times, now, stop)
         self.prealloc.extend(reqs[pos:stop])
         pos = stop
         if pos < end:
@@ -290,10 +317,23 @@ class Simulation:
         self._in_flight_peak(now)
         self.finished += 1
 
+    def _decoded(self, step: int, now: float) -> None:
+        """The running requests whose last decode step is ``step`` are done (at ``now``):
+        as many _finish calls, whose first alone can raise the peak."""
+        running, n = self.running, 0
+        self._in_flight_peak(now)
+        while running and running[0][0] <= step:
+            heapq.heappop(running)
+            n += 1
+        self.in_pool -= n
+        self.finished += n
+
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
         a finish, so its peak is reached just before one (or at the end of the run)."""
-        k = self.arrived = bisect_right(self.arrivals, now, self.arrived)   # now never goes back
+        k, arrivals = self.arrived, self.arrivals
+        if k < len(arrivals) and arrivals[k] <= now:     # (often none since the last call)
+            k = self.arrived = bisect_right(arrivals, now, k)   # now never goes back
         if k - self.finished > self.peak_in_flight:
             self.peak_in_flight = k - self.finished
 
@@ -313,10 +353,10 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[bytes, bytes, list[int], np.ndarray, array]:
+    def _layout(self, c: int) -> tuple[array, array, list[int], np.ndarray, array]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
         with numpy: event offsets sorted per request (absent events last, at +inf) and
-        their codes (float64 and int64 bytes, ``3 * ranks`` per request), the count of
+        their codes (float64 and int64 arrays, ``3 * ranks`` per request), the count of
         real events, the last write per rank (-inf: none) and the latest KV completion
         (NaN where a transfer fails). The offsets, codes, counts and KV completions are
         in forms an enqueue reads without numpy work, and as compact as arrays (the kept
@@ -343,14 +383,15 @@ class Simulation:
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
         count = np.isfinite(rel).sum(axis=1).tolist()
         kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
-        out = (rel.tobytes(), codes.tobytes(), count, np.where(meta, room, -math.inf), kv_all)
+        out = (_array_of("d", rel), _array_of("q", codes), count, np.where(meta, room, -math.inf), kv_all)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
         return out
 
     def _enqueue(self, i: int, now: float) -> None:
-        ch, j = self.d.row(i)
+        c, j = divmod(i, CHUNK)
+        ch = self.d.chunk(c)
         room, payload = ch.room[j], ch.payload[j]
         try:
             self.spec.enqueue(i, room, payload)     # apply(Enqueue) without the event object
@@ -360,19 +401,21 @@ class Simulation:
         if self.trace is not None:
             self.trace.event(Enqueue(i, room, payload), now)
         self.in_pool += 1
-        if self.cfg.stalls or self.record:
+        if self.per_event:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, _, kv_all = self._layout(i // CHUNK)
-            m, at = count[j], j * 24 * self.T          # 3 * ranks 8-byte values per request
-            tl = _Timeline(i, now, rel[at:at + 8 * m], codes[at:at + 8 * m])
+            rel, codes, count, _, kv_all = self._layout(c)
+            at = j * 3 * self.T                        # 3 * ranks events per request
+            end = at + count[j]
+            tl = _Timeline(i, now, rel[at:end], codes[at:end])
             self.enqueued_ms[i] = now
             self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
         spec = self.spec
         if self.local_admission and not all(spec.in_queue(k, i) for k in range(self.T)):
             # some ranks left it out: only their events happen
             keep = [j for j, c in enumerate(tl.codes) if spec.in_queue(c % self.T, i)]
-            tl = _Timeline(i, tl.base, [tl.offsets[j] for j in keep], [tl.codes[j] for j in keep])
+            tl = _Timeline(i, tl.base, array("d", [tl.offsets[j] for j in keep]),
+                           array("q", [tl.codes[j] for j in keep]))
             if not keep:
                 return
         if self.eager:
@@ -413,7 +456,7 @@ class Simulation:
             self.kv_all_ms[i] = kv_all
         events.sort()
         times, codes = zip(*events)
-        return _Timeline(i, 0.0, times, codes)
+        return _Timeline(i, 0.0, array("d", times), array("q", codes))
 
     def _schedule(self, tl: _Timeline) -> None:
         """Deliver ``tl``'s remaining events at their times, by SimPy events."""
@@ -552,7 +595,7 @@ class Simulation:
             yield env.timeout(t - env.now)
             return
         while env.peek() <= t:
-            yield env.timeout(max(0.0, t - env.now))
+            yield self.tick.after(max(0.0, t - env.now))
 
     def _scheduler(self):
         env, spec, cfg = self.env, self.spec, self.cfg
@@ -564,6 +607,7 @@ class Simulation:
         prealloc = self.prealloc
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
+        alpha, beta = cfg.allreduce_alpha_ms, cfg.allreduce_beta_ms     # the all-reduce's cost
         # protocol steps bound the work (decode steps are bounded by the output tokens)
         max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
         deadline = None if self.wall_limit_s is None else time.perf_counter() + self.wall_limit_s
@@ -604,7 +648,7 @@ class Simulation:
                     break
                 if rec.popped[0] and self.active:
                     self._leave(rec.popped[0])
-                cost = cfg.allreduce_alpha_ms + cfg.allreduce_beta_ms * queued
+                cost = alpha + beta * queued
                 if self.record:
                     self.spans.append(("step", -1, rec.step, s, s + cost))
                 t = s + cost
@@ -621,10 +665,8 @@ class Simulation:
             done = self.decode_steps      # a local in this hot loop (nothing it calls reads it)
             while True:
                 done += 1
-                while running and running[0][0] <= done:
-                    heapq.heappop(running)
-                    self.in_pool -= 1
-                    self._finish(t)
+                if running and running[0][0] <= done:
+                    self._decoded(done, t)
                 if prealloc:
                     self._admit(t)
                 if not running:
@@ -649,33 +691,36 @@ class Simulation:
         popped = rec.popped
         if not popped[0]:       # the checks passed, so every rank popped the same: nothing
             return 0
-        d = self.d
+        pops = popped[0]
+        outcome, commit_ms, write_end, running = self.outcome, self.commit_ms, self.write_end, self.running
+        first_step, output_len = self.decode_steps, self.output_len
         aborted = False
-        for r, dec, _ in popped[0]:
-            self.outcome[r] = dec
-            self.decided += 1
+        for r, dec, _ in pops:
+            outcome[r] = dec
             if dec == _COMMIT:
-                self.write_end.pop(r, None)      # a commit gets no fence
-                self.commit_ms[r] = now
-                heapq.heappush(self.running, (self.decode_steps + self.output_len[r], r))
+                write_end.pop(r, None)      # a commit gets no fence
+                commit_ms[r] = now
+                heapq.heappush(running, (first_step + output_len[r], r))
             else:
                 aborted = True
                 self.in_pool -= 1
                 self._finish(now)
             if self.record:
                 self.spans.append(("pop", -1, r, now, dec))
-        self.to_forget.extend(r for r, _, _ in popped[0])
+        self.decided += len(pops)
+        self.to_forget.extend([r for r, _, _ in pops])
         if len(self.to_forget) >= FORGET_BATCH:
             self._forget_done()
-        if not aborted and popped.count(popped[0]) == len(popped):
-            return len(popped[0])        # commits only, on every rank: no fence to wait for
+        if not aborted and popped.count(pops) == len(popped):
+            return len(pops)             # commits only, on every rank: no fence to wait for
+        d = self.d
         for k, rank_popped in enumerate(popped):
             for r, dec, _ in rank_popped:
                 if dec != _COMMIT and self.spec.fenceable(k, r):
                     self.pending += 1
                     ch, j = d.row(r)
                     _At(self.env, now + float(ch.fence_ms[j, k]) - self.env.now, self._fence, (k, r))
-        return len(popped[0])
+        return len(pops)
 
     def _forget_done(self) -> None:
         """Let the spec drop decided requests no write can reach any more, so memory
