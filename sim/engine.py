@@ -143,12 +143,13 @@ class _Timeline:
     queued they wait, undelivered, until a protocol step needs them (``lazy``, see
     Simulation._drain); otherwise a single pending SimPy event at a time delivers them at
     their times (keeps memory per request small)."""
-    __slots__ = ("req", "base", "offsets", "codes", "pos", "due", "lazy")
+    __slots__ = ("req", "base", "offsets", "codes", "pos", "due", "lazy", "events")
 
-    def __init__(self, req: int, base: float, offsets: array, codes: array):
+    def __init__(self, req: int, base: float, offsets: array, codes: array, events: int = 0):
         # (arrays, kept as given: an enqueue passes fresh slices of its chunk's layout)
         self.req, self.base, self.pos = req, base, 0
         self.offsets, self.codes = offsets, codes
+        self.events = events        # the set of its codes (bit per code), where laid out
         self.due: _At | None = None     # its SimPy event, rescheduled for each batch
         self.lazy = False
 
@@ -383,7 +384,11 @@ class Simulation:
         codes = np.take_along_axis(codes, order, axis=1).astype(np.int64)
         count = np.isfinite(rel).sum(axis=1).tolist()
         kv_all = array("d", np.where(fr >= 0, np.nan, xfer.max(axis=1)).tobytes())
-        out = (_array_of("d", rel), _array_of("q", codes), count, np.where(meta, room, -math.inf), kv_all)
+        # each request's codes as one set, for spec.deliver_set (as int64: up to 15 ranks)
+        sets = (np.bitwise_or.reduce(np.where(np.isfinite(rel), np.left_shift(1, codes), 0), axis=1)
+                .tolist() if 4 * T < 63 else [0] * len(count))
+        out = (_array_of("d", rel), _array_of("q", codes), count, np.where(meta, room, -math.inf),
+               kv_all, sets)
         if len(self.layouts) >= 4:       # requests enqueue in about arrival order
             self.layouts.pop(next(iter(self.layouts)))
         self.layouts[c] = out
@@ -404,10 +409,10 @@ class Simulation:
         if self.per_event:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, _, kv_all = self._layout(c)
+            rel, codes, count, _, kv_all, sets = self._layout(c)
             at = j * 3 * self.T                        # 3 * ranks events per request
             end = at + count[j]
-            tl = _Timeline(i, now, rel[at:end], codes[at:end])
+            tl = _Timeline(i, now, rel[at:end], codes[at:end], sets[j])
             self.enqueued_ms[i] = now
             self.kv_all_ms[i] = now + kv_all[j]        # NaN (its default) where a transfer fails
         spec = self.spec
@@ -437,7 +442,7 @@ class Simulation:
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
-        stalls, record = self.cfg.stalls, self.record
+        record = self.record
         for k in range(T):
             kv = self._shift_stalls(k, now + xfer[k])
             kv_all = max(kv_all, kv)
@@ -529,7 +534,13 @@ class Simulation:
             pos = tl.pos
             end = tl.due_by(now)
             try:
-                self.spec.deliver(tl.req, tl.codes[pos:end])
+                if end - pos == len(tl.codes) and tl.events:
+                    # all its events at once: in code order, which is as good as time
+                    # order (each rank's KV, payload and room come in that order, and
+                    # events on different ranks commute: PackedState.deliver_set)
+                    self.spec.deliver_set(tl.req, tl.events)
+                else:
+                    self.spec.deliver(tl.req, tl.codes[pos:end])
             except EventNotEnabled as exc:
                 _refused(exc)
             self.since_poll += end - pos
