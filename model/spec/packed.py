@@ -54,9 +54,21 @@ def _row_free(gate: tuple) -> tuple[tuple, tuple]:
 
 
 def _put(rows: list[list[int]], slots: tuple[int, ...], value: int) -> None:
-    """rows[k][slots[k]] = value on every rank k."""
-    for row, slot in zip(rows, slots):
-        row[slot] = value
+    """Every rank k's row in its slot ``slots[k]`` (rows by slot, then rank) := value."""
+    first = slots[0]
+    if slots.count(first) == len(slots):       # the same slot on every rank: one new row
+        rows[first] = [value] * len(slots)
+        return
+    for k, slot in enumerate(slots):
+        rows[slot][k] = value
+
+
+def _seen(rows: list[list[int]], slots: tuple[int, ...]) -> list[int]:
+    """Each rank's value in its slot."""
+    first = slots[0]
+    if slots.count(first) == len(slots):
+        return rows[first]
+    return [rows[slot][k] for k, slot in enumerate(slots)]
 
 
 class _Req:
@@ -93,8 +105,10 @@ class PackedState:
         self._steps = 0
         self.reqs: dict[int, _Req] = {}      # enqueued and not forgotten
         self.queue: list[int] = []
-        self.room_at = [rs.room_at for rs in base.ranks]
-        self.payload_at = [rs.payload_at for rs in base.ranks]
+        # the metadata rows by slot, then rank (a request mostly has the same slot on
+        # every rank, so its rows are one list)
+        self.rooms = [[0] * n_ranks for _ in range(n_slots)]
+        self.payloads = [[0] * n_ranks for _ in range(n_slots)]
         self.free = [deque(rs.free) for rs in base.ranks]
         self.all_ranks = (1 << n_ranks) - 1
         self._no_pops = ((),) * n_ranks
@@ -112,8 +126,8 @@ class PackedState:
         ranks = []
         for k in range(self.n_ranks):
             bit = 1 << k
-            rs = RankState(list(self.queue), {}, {}, {}, {}, set(), set(), list(self.room_at[k]),
-                           list(self.payload_at[k]), list(self.free[k]))
+            rs = RankState(list(self.queue), {}, {}, {}, {}, set(), set(), [row[k] for row in self.rooms],
+                           [row[k] for row in self.payloads], list(self.free[k]))
             for r, q in self.reqs.items():
                 if q.outcome is None:
                     rs.recv[r] = _SUCCESS if q.ok & bit else _FAILED if q.failed & bit else WAITING
@@ -249,13 +263,13 @@ class PackedState:
                 if payload & bit:
                     refused = kind, k
                     break
-                self.payload_at[k][slots[k]] = q.sent_payload
+                self.payloads[slots[k]][k] = q.sent_payload
                 payload |= bit
             else:
                 if room & bit or (after and not payload & bit):
                     refused = kind, k
                     break
-                self.room_at[k][slots[k]] = q.sent_room
+                self.rooms[slots[k]][k] = q.sent_room
                 room |= bit
         q.ok, q.failed, q.payload, q.room = ok, failed, payload, room
         if refused is not None:
@@ -301,14 +315,14 @@ class PackedState:
                         return False
         q.ok = (q.ok | done) & ~failed
         q.failed |= failed
-        for fields, rows, value in ((payload, self.payload_at, q.sent_payload),
-                                    (room, self.room_at, q.sent_room)):
+        for fields, rows, value in ((payload, self.payloads, q.sent_payload),
+                                    (room, self.rooms, q.sent_room)):
             if fields == everyone:
                 _put(rows, q.slots, value)
             elif fields:
                 for k, slot in enumerate(q.slots):
                     if fields >> k & 1:
-                        rows[k][slot] = value
+                        rows[slot][k] = value
         q.payload |= payload
         q.room |= room
         return True
@@ -332,10 +346,10 @@ class PackedState:
             raise _refusal(self.system(), req, kind, k)
         slot = q.slots[k]
         if room:
-            self.room_at[k][slot] = q.sent_room
+            self.rooms[slot][k] = q.sent_room
             q.room |= bit
         else:
-            self.payload_at[k][slot] = q.sent_payload
+            self.payloads[slot][k] = q.sent_payload
             q.payload |= bit
         self._mark_tenant(k, slot, bit)  # a late write (deliver performs queued requests')
         self._writes_done(q, bit, k)
@@ -365,13 +379,13 @@ class PackedState:
         clear = self.variant.clear_on_free
         if not kept:
             if clear:
-                _put(self.room_at, slots, 0)
+                _put(self.rooms, slots, 0)
             deque(map(deque.append, self.free, slots), 0)    # each rank's append, in C
             return
         for k, slot in enumerate(slots):
             if not kept >> k & 1:
                 if clear:
-                    self.room_at[k][slot] = 0
+                    self.rooms[slot][k] = 0
                 self.free[k].append(slot)
 
     def fence(self, rank: int, req: int) -> None:
@@ -481,7 +495,7 @@ class PackedState:
 
     def _min(self, q: _Req, expected: int, timed: int) -> int:
         """One request's MIN (see _reduce)."""
-        gate, room_at, everyone = self._tables[0], self.room_at, self.all_ranks
+        gate, everyone = self._tables[0], self.all_ranks
         base = timed | (expected == 0) << 2
         if q.ok == q.room == everyone and not q.foreign:
             # every receiver latched Success and every row holds its own room
@@ -502,16 +516,14 @@ class PackedState:
                 low = _SUCCESS        # the loop below finds it, Success ranks included
         if ok == everyone:                    # every receiver latched Success
             base += _SUCCESS * 16
-            for row, slot in zip(room_at, q.slots):
-                seen = row[slot]
+            for seen in _seen(self.rooms, q.slots):
                 g = gate[base + ((seen == 0) | (seen == expected) << 1)]
                 if g < low:
                     low = g
             return low
         bit = 1
-        for row, slot in zip(room_at, q.slots):
+        for seen in _seen(self.rooms, q.slots):
             poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
-            seen = row[slot]
             g = gate[poll * 16 + base + ((seen == 0) | (seen == expected) << 1)]
             if g < low:
                 low = g
@@ -522,7 +534,7 @@ class PackedState:
         """(position, Decision, payload read) of each request the MIN lets leave, the
         same on every rank; None if any rank decides or reads otherwise."""
         out = []
-        reqs, room_at, payload_at = self.reqs, self.room_at, self.payload_at
+        reqs, rooms, payloads = self.reqs, self.rooms, self.payloads
         queue, everyone, pop = self.queue, self.all_ranks, self._tables[1]
         for pos in popping:
             r = queue[pos]
@@ -535,10 +547,9 @@ class PackedState:
                     out.append((pos, d, q.sent_payload if d == _COMMIT else 0))
                 continue
             first = None
-            for rooms, payloads, slot in zip(room_at, payload_at, reqs[r].slots):
-                seen = rooms[slot]
+            for seen, read in zip(_seen(rooms, q.slots), _seen(payloads, q.slots)):
                 d = pop[row + ((seen == 0) | (seen == expected) << 1)]
-                got = (d, payloads[slot]) if d == _COMMIT else d
+                got = (d, read) if d == _COMMIT else d
                 if first is None:
                     first = got
                 elif got != first:
