@@ -112,6 +112,8 @@ class PackedState:
         self.free = [deque(rs.free) for rs in base.ranks]
         self.all_ranks = (1 << n_ranks) - 1
         self._no_pops = ((),) * n_ranks
+        # the requests that age, after a step that could pop nothing, until an event
+        self._kept: list[_Req] | None = None
         self._pow2 = tuple(1 << code for code in range(4 * n_ranks))
         self._codes = tuple((kind, k, 1 << k) for kind in range(4) for k in range(n_ranks))
         self._tables = _tables(variant)
@@ -214,6 +216,7 @@ class PackedState:
             raise EventNotEnabled(f"enqueue: rank {full} has no free metadata slot")
         self.reqs[req] = _Req(room, payload, tuple(map(deque.popleft, self.free)), self.all_ranks)
         self.queue.append(req)
+        self._kept = None
 
     def deliver(self, req: int, codes: Sequence[int]) -> None:
         """batch.deliver: each event ``kind * ranks + rank`` of ``req`` in order (a
@@ -227,6 +230,7 @@ class PackedState:
             bad = True
         if bad:
             decode(self.n_ranks, codes)          # raises, naming the code
+        self._kept = None
         q = self.reqs.get(req)
         if q is None or q.outcome is not None:   # late writes of a request that left
             for code in codes:
@@ -286,6 +290,7 @@ class PackedState:
             raise EventNotEnabled(f"deliver_set: {events!r} is not a set of event codes "
                                   f"0..{len(self._codes) - 1}")
         q = self.reqs.get(req) if self.general is None else None
+        self._kept = None
         if q is not None and q.outcome is None:
             q.reduced = -1
             if self._at_once(q, events, None):
@@ -398,6 +403,7 @@ class PackedState:
             machine.apply(self.system(), Fence(rank, req))     # raises its refusal
             raise AssertionError(f"fence ({rank}, {req}): refused here, enabled in machine.py")
         q.fenced |= bit
+        self._kept = None
         self._writes_done(q, bit, rank)
 
     def forget_done(self, reqs: Sequence[int]) -> list[int]:
@@ -447,11 +453,20 @@ class PackedState:
     # -- the protocol step -----------------------------------------------------------
     def step(self, quiet: bool = False) -> StepPops:
         """``apply(Step(), detail=False)``. ``quiet`` (no event since the last step)
-        lets machine.py's form repeat a step that kept every request (batch.Stepper);
-        the packed form keeps each request's MIN until an event changes it instead."""
+        lets machine.py's form repeat a step that kept every request (batch.Stepper).
+        The packed form keeps each request's MIN until an event changes it, and knows
+        itself when no event came since a step that could pop nothing: without a
+        timeout to reach, that step repeats (only the ages move)."""
         if self.general is not None:
             return self._stepper.step(quiet)
         queue = self.queue
+        if self._kept is not None:
+            ageing = self._kept
+            step_no = self._steps
+            self._steps += 1
+            for q in ageing:
+                q.age += 1
+            return StepPops(step_no, self._no_pops)
         reduced, popping, ageing = self._reduce()
         decided = self._decide(reduced, popping) if popping else ()
         if decided is None:                       # the ranks part: machine.py's step
@@ -462,6 +477,8 @@ class PackedState:
         for q in ageing:
             q.age += 1
         if not decided:
+            if not popping and self.variant.timeout_steps is None:
+                self._kept = ageing
             return StepPops(step_no, self._no_pops)
         popped = tuple((queue[pos], d, p) for pos, d, p in decided)
         leaving = [pos for pos, _, _ in decided]
