@@ -14,12 +14,13 @@ Figures:
   (sim/data, 1,000 real requests) and on generated Poisson load (4 req/s, default
   lengths), by the fast schedule and, in the same run, by the eager one (a SimPy event
   per delivery batch and per scheduler action, the schedule before the fast one; both
-  use the spec's batched step); with ``PDGATE_BENCH_BEFORE=DIR`` (a checkout of an
+  run on the spec's packed state); with ``PDGATE_BENCH_BEFORE=DIR`` (a checkout of an
   older pdgate, e.g. ``git archive b44bea5 | tar -x -C DIR``), also that tree's simulator on
   the same loads, interleaved with this one's in the same run (each tree's runs in
   fresh subprocesses): requests per CPU second ``*_before`` and this tree's ratio to
   it. Recorded before issue 11 item 5 (b44bea5, this 2-core machine): ~6,100 (Mooncake)
-  and ~6,200 (Poisson) requests per wall second; the goal is 20,000;
+  and ~6,200 (Poisson) requests per wall second; before the packed state (ef1485a):
+  ~11,000 and ~12,000; the goal is 20,000;
 - the trace reader: rows per second and peak traced memory streaming a generated
   Azure-2024-format CSV (the memory must not grow with the file).
 """
