@@ -267,6 +267,7 @@ class Simulation:
         self.cut_short: str | None = None      # why the run stopped before every request was decided
         self.wall_limit_s = wall_limit_s
         self.layouts: dict[int, tuple] = {}    # chunk -> _layout's arrays
+        self.enqueuing: tuple = (-1, None, None)   # the chunk of the last enqueue, its draws, layout
         # only local admission can leave a rank without the request (machine.admitting)
         self.local_admission = self.variant.admission is not Admission.AGREED
 
@@ -396,7 +397,9 @@ class Simulation:
 
     def _enqueue(self, i: int, now: float) -> None:
         c, j = divmod(i, CHUNK)
-        ch = self.d.chunk(c)
+        if c != self.enqueuing[0]:      # requests enqueue in about arrival order
+            self.enqueuing = (c, self.d.chunk(c), None if self.per_event else self._layout(c))
+        _, ch, layout = self.enqueuing
         room, payload = ch.room[j], ch.payload[j]
         try:
             self.spec.enqueue(i, room, payload)     # apply(Enqueue) without the event object
@@ -409,7 +412,7 @@ class Simulation:
         if self.per_event:
             tl = self._timeline_of(i, now)
         else:
-            rel, codes, count, _, kv_all, sets = self._layout(c)
+            rel, codes, count, _, kv_all, sets = layout
             at = j * 3 * self.T                        # 3 * ranks events per request
             end = at + count[j]
             tl = _Timeline(i, now, rel[at:end], codes[at:end], sets[j])
@@ -428,7 +431,7 @@ class Simulation:
         else:
             tl.lazy = True
             self.active[i] = tl
-            heapq.heappush(self.lazy, (tl.time(0), i, tl))
+            heapq.heappush(self.lazy, (tl.base + tl.offsets[0], i, tl))
         if self.wake is not None and not self.wake.triggered:
             self.wake.succeed()
 

@@ -43,6 +43,12 @@ def packs(v: Variant) -> bool:
     return v.admission is Admission.AGREED and v.defer_failed is _NO_DEFERRAL
 
 
+def _record(fields: tuple) -> StepPops:
+    """StepPops(step, popped, hang) built in C (a named tuple's own constructor is a
+    Python function, a noticeable part of a step that pops nothing)."""
+    return tuple.__new__(StepPops, fields)
+
+
 def _row_free(gate: tuple) -> tuple[tuple, tuple]:
     """From the gate table (index poll * 16 + 8 * timed + compare_index), per poll and
     (timed, expected room 0), i.e. per index // 4: the value where it is the same for
@@ -466,7 +472,7 @@ class PackedState:
             self._steps += 1
             for q in ageing:
                 q.age += 1
-            return StepPops(step_no, self._no_pops)
+            return _record((step_no, self._no_pops, None))
         reduced, popping, ageing = self._reduce()
         decided = self._decide(reduced, popping) if popping else ()
         if decided is None:                       # the ranks part: machine.py's step
@@ -479,12 +485,12 @@ class PackedState:
         if not decided:
             if not popping and self.variant.timeout_steps is None:
                 self._kept = ageing
-            return StepPops(step_no, self._no_pops)
+            return _record((step_no, self._no_pops, None))
         popped = tuple((queue[pos], d, p) for pos, d, p in decided)
         leaving = [pos for pos, _, _ in decided]
         self.queue = [r for pos, r in enumerate(queue) if pos not in leaving]
         self._leave(popped, leaving)
-        return StepPops(step_no, (popped,) * self.n_ranks)
+        return _record((step_no, (popped,) * self.n_ranks, None))
 
     def _reduce(self) -> tuple[list[int], list[int], list[_Req]]:
         """The MIN over ranks of each queued request's gated poll (machine._polls: the
