@@ -134,8 +134,9 @@ class PackedState:
         ranks = []
         for k in range(self.n_ranks):
             bit = 1 << k
-            rs = RankState(list(self.queue), {}, {}, {}, {}, set(), set(), [row[k] for row in self.rooms],
-                           [row[k] for row in self.payloads], list(self.free[k]))
+            rs = RankState(list(self.queue), {}, {}, {}, {}, set(), set(),
+                           [row[k] for row in self.rooms], [row[k] for row in self.payloads],
+                           list(self.free[k]))
             for r, q in self.reqs.items():
                 if q.outcome is None:
                     rs.recv[r] = _SUCCESS if q.ok & bit else _FAILED if q.failed & bit else WAITING
@@ -151,7 +152,8 @@ class PackedState:
                     if q.quarantined & bit:
                         rs.quarantined.add(r)
             ranks.append(rs)
-        return SystemState(self.variant, self.n_slots, ranks, {r: Request(q.sent_room, q.sent_payload) for r, q in self.reqs.items()}, self._steps)
+        requests = {r: Request(q.sent_room, q.sent_payload) for r, q in self.reqs.items()}
+        return SystemState(self.variant, self.n_slots, ranks, requests, self._steps)
 
     def _fall_back(self) -> SystemState:
         self.general = self.system()
@@ -162,10 +164,6 @@ class PackedState:
     @property
     def steps(self) -> int:
         return self._steps if self.general is None else self.general.steps
-
-    @property
-    def hung(self) -> tuple[int, ...] | None:
-        return None if self.general is None else self.general.hung
 
     def queued(self) -> int:
         """How many requests rank 0 queues (every rank's count, in the packed form)."""
@@ -207,10 +205,7 @@ class PackedState:
         admission)."""
         if self.general is not None:
             return bool(machine.admitting(self.general))
-        for free in self.free:
-            if not free:
-                return False
-        return True
+        return all(self.free)
 
     def enqueue(self, req: int, room: int, payload: int) -> None:
         if self.general is not None:
