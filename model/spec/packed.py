@@ -28,7 +28,7 @@ from model.spec.batch import Stepper, decode, deliver
 from model.spec.invariants import Violation, step_violations
 from model.spec.events import Fence, Step
 from model.spec.machine import (_AGES_FROM, _COMMIT, _FAILED, _KEEP, _NO_DEFERRAL, _SUCCESS,
-                                KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, EventNotEnabled,
+                                KV_DONE, PAYLOAD_LANDS, ROOM_LANDS, EventNotEnabled,
                                 StepPops, StepRecord, _refusal, _tables)
 from model.spec.state import (ALL_FIELDS, PAYLOAD_BIT, ROOM_BIT, WAITING, RankState, Request,
                               SystemState, initial_state)
@@ -233,52 +233,16 @@ class PackedState:
             decode(self.n_ranks, codes)          # raises, naming the code
         self._kept = None
         q = self.reqs.get(req)
-        if q is None or q.outcome is not None:   # late writes of a request that left
-            for code in codes:
-                self._arrive(req, q, *table[code])
-            return
-        q.reduced = -1
-        if len(codes) > 1:
-            events, bits = 0, self._pow2
-            for code in codes:
-                events |= bits[code]
-            if events.bit_count() == len(codes) and self._at_once(q, events, codes):
-                return               # (distinct codes: a code twice goes to the loop)
-        # Queued: its slot is kept and unfenced on every rank, so only the receivers'
-        # latches and the fields' order can refuse. The masks are written back before
-        # a refusal is raised (the events before it are performed).
-        ok, failed, payload, room = q.ok, q.failed, q.payload, q.room
-        after = self.variant.room_after_payload
-        slots = q.slots
-        refused = None
-        for code in codes:
-            kind, k, bit = table[code]
-            if kind == KV_DONE:
-                if (ok | failed) & bit:
-                    refused = kind, k
-                    break
-                ok |= bit
-            elif kind == KV_FAILED:
-                if failed & bit:
-                    refused = kind, k
-                    break
-                failed |= bit
-                ok &= ~bit
-            elif kind == PAYLOAD_LANDS:
-                if payload & bit:
-                    refused = kind, k
-                    break
-                self.payloads[slots[k]][k] = q.sent_payload
-                payload |= bit
-            else:
-                if room & bit or (after and not payload & bit):
-                    refused = kind, k
-                    break
-                self.rooms[slots[k]][k] = q.sent_room
-                room |= bit
-        q.ok, q.failed, q.payload, q.room = ok, failed, payload, room
-        if refused is not None:
-            raise _refusal(self.system(), req, *refused)
+        if q is not None and q.outcome is None:
+            q.reduced = -1
+            if len(codes) > 1:
+                events, bits = 0, self._pow2
+                for code in codes:
+                    events |= bits[code]
+                if events.bit_count() == len(codes) and self._at_once(q, events, codes):
+                    return           # (distinct codes: a code twice goes to the loop)
+        for code in codes:           # one by one: a refused event raises after the others
+            self._arrive(req, q, *table[code])
 
     def deliver_set(self, req: int, events: int) -> None:
         """``deliver`` of the codes in the set ``events`` (bit ``code``), in code order:
@@ -334,7 +298,8 @@ class PackedState:
         return True
 
     def _arrive(self, req: int, q: _Req | None, kind: int, k: int, bit: int) -> None:
-        """machine._arrive of one event on the packed fields."""
+        """machine._arrive of one event on the packed fields (a queued request's slot is
+        live and unfenced on every rank)."""
         if kind < PAYLOAD_LANDS:
             if q is None or q.outcome is not None or q.failed & bit or (
                     kind == KV_DONE and q.ok & bit):
@@ -357,8 +322,9 @@ class PackedState:
         else:
             self.payloads[slot][k] = q.sent_payload
             q.payload |= bit
-        self._mark_tenant(k, slot, bit)  # a late write (deliver performs queued requests')
-        self._writes_done(q, bit, k)
+        if q.outcome is not None:        # a late write: the slot may have a new tenant
+            self._mark_tenant(k, slot, bit)
+            self._writes_done(q, bit, k)
 
     def _mark_tenant(self, k: int, slot: int, bit: int) -> None:
         """A late write hit ``slot`` on rank k: its queued tenant's row is foreign there."""
