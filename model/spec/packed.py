@@ -26,6 +26,7 @@ from typing import Sequence
 from model.spec import machine
 from model.spec.batch import Stepper, decode, deliver
 from model.spec.invariants import Violation, step_violations
+from model.spec.kernel import compare_index
 from model.spec.events import Fence, Step
 from model.spec.machine import (_AGES_FROM, _COMMIT, _FAILED, _KEEP, _NO_DEFERRAL, _SUCCESS,
                                 KV_DONE, PAYLOAD_LANDS, ROOM_LANDS, EventNotEnabled,
@@ -377,22 +378,11 @@ class PackedState:
         """``forget`` each request of ``reqs`` that no rank keeps a slot for any more;
         returns the others (still written somewhere), in order."""
         kept = []
-        if self.general is not None:
-            for r in reqs:
-                if self.tracked(r):
-                    kept.append(r)
-                else:
-                    self.forget(r)
-            return kept
-        packed = self.reqs
         for r in reqs:
-            q = packed.get(r)
-            if q is not None and q.live:
+            if self.tracked(r):
                 kept.append(r)
-            elif q is not None and q.outcome is not None:
-                del packed[r]
             else:
-                self.forget(r)           # raises its refusal
+                self.forget(r)
         return kept
 
     def forget(self, req: int) -> None:
@@ -427,18 +417,14 @@ class PackedState:
         if self.general is not None:
             return self._stepper.step(quiet)
         queue = self.queue
-        if self._kept is not None:
-            ageing = self._kept
-            step_no = self._steps
-            self._steps += 1
-            for q in ageing:
-                q.age += 1
-            return _record((step_no, self._no_pops, None))
-        reduced, popping, ageing = self._reduce()
-        decided = self._decide(reduced, popping) if popping else ()
-        if decided is None:                       # the ranks part: machine.py's step
-            self._fall_back()
-            return self._stepper.step(False)
+        if self._kept is not None:                # the last step, again
+            ageing, popping, decided = self._kept, (), ()
+        else:
+            reduced, popping, ageing = self._reduce()
+            decided = self._decide(reduced, popping) if popping else ()
+            if decided is None:                   # the ranks part: machine.py's step
+                self._fall_back()
+                return self._stepper.step(False)
         step_no = self._steps
         self._steps += 1
         for q in ageing:
@@ -478,37 +464,30 @@ class PackedState:
         return out, popping, ageing
 
     def _min(self, q: _Req, expected: int, timed: int) -> int:
-        """One request's MIN (see _reduce)."""
+        """One request's MIN (see _reduce); ``timed`` is 8 where its age reached the
+        timeout (the gate table's timed offset)."""
         gate, everyone = self._tables[0], self.all_ranks
-        base = timed | (expected == 0) << 2
+        own = compare_index(expected, expected)      # a row that holds its own room
         if q.ok == q.room == everyone and not q.foreign:
             # every receiver latched Success and every row holds its own room
-            return gate[_SUCCESS * 16 + base + (expected == 0) + 2]
-        low = _SUCCESS
+            return gate[_SUCCESS * 16 + timed + own]
         ok, failed = q.ok, q.failed
         if ok != everyone:
             # The ranks that have not latched Success give the gate table's value for
-            # their poll where it reads no row (see _unread); the Success ones count
-            # only where their least value could be lower still.
-            flat = self._unread
-            low_failed = flat[_FAILED * 4 + base // 4] if failed else _SUCCESS
-            low_waiting = flat[WAITING * 4 + base // 4] if everyone & ~(ok | failed) else _SUCCESS
+            # their poll where it reads no row (_row_free's groups: timed, and whether
+            # the expected room is 0); the Success ones count only where their least
+            # value could be lower still.
+            group, flat = (timed + (own & 4)) // 4, self._unread
+            low_failed = flat[_FAILED * 4 + group] if failed else _SUCCESS
+            low_waiting = flat[WAITING * 4 + group] if everyone & ~(ok | failed) else _SUCCESS
             if low_failed is not None and low_waiting is not None:
                 low = min(low_failed, low_waiting)
-                if not ok or self._success_floor[base // 4] >= low:
+                if not ok or self._success_floor[group] >= low:
                     return low
-                low = _SUCCESS        # the loop below finds it, Success ranks included
-        if ok == everyone:                    # every receiver latched Success
-            base += _SUCCESS * 16
-            for seen in _seen(self.rooms, q.slots):
-                g = gate[base + ((seen == 0) | (seen == expected) << 1)]
-                if g < low:
-                    low = g
-            return low
-        bit = 1
+        low, bit = _SUCCESS, 1
         for seen in _seen(self.rooms, q.slots):
             poll = _SUCCESS if ok & bit else _FAILED if failed & bit else WAITING
-            g = gate[poll * 16 + base + ((seen == 0) | (seen == expected) << 1)]
+            g = gate[poll * 16 + timed + compare_index(seen, expected)]
             if g < low:
                 low = g
             bit <<= 1
@@ -523,23 +502,21 @@ class PackedState:
         for pos in popping:
             r = queue[pos]
             q = reqs[r]
-            expected = q.sent_room
-            row = reduced[pos] * 8 + ((expected == 0) << 2)
+            expected, row = q.sent_room, reduced[pos] * 8
             if q.room == q.payload == everyone and not q.foreign:   # its own rows everywhere
-                d = pop[row + (expected == 0) + 2]
-                if d != _KEEP:
-                    out.append((pos, d, q.sent_payload if d == _COMMIT else 0))
-                continue
-            first = None
-            for seen, read in zip(_seen(rooms, q.slots), _seen(payloads, q.slots)):
-                d = pop[row + ((seen == 0) | (seen == expected) << 1)]
-                got = (d, read) if d == _COMMIT else d
-                if first is None:
-                    first = got
-                elif got != first:
-                    return None
-            if first != _KEEP:       # every rank keeps it (the MIN was Success, no room)
-                out.append((pos, *first) if type(first) is tuple else (pos, first, 0))
+                d = pop[row + compare_index(expected, expected)]
+                first = (d, q.sent_payload if d == _COMMIT else 0)
+            else:
+                first = None
+                for seen, read in zip(_seen(rooms, q.slots), _seen(payloads, q.slots)):
+                    d = pop[row + compare_index(seen, expected)]
+                    got = (d, read if d == _COMMIT else 0)
+                    if first is None:
+                        first = got
+                    elif got != first:
+                        return None
+            if first[0] != _KEEP:    # (every rank keeps it: the MIN was Success, no room)
+                out.append((pos, *first))
         return out
 
     def _leave(self, popped: tuple[tuple[int, int, int], ...], positions: list[int]) -> None:
