@@ -4,7 +4,7 @@ table, the simulator's divergence reports, the tests and every trace violation r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from model.spec.kernel import Decision
 from model.spec.state import SystemState
@@ -101,6 +101,12 @@ def check_invariants(s: SystemState, names: list[str] | None = None) -> list[Vio
 _COMMIT = int(Decision.COMMIT)
 
 
+def misread(popped: Sequence[tuple[int, int, int]], sent: Callable[[int], int]) -> bool:
+    """Some commit of ``popped`` (request, Decision, payload read) read another payload
+    than ``sent(request)``, the one its prefill wrote (no_corruption's step check)."""
+    return any(d == _COMMIT and p != sent(r) for r, d, p in popped)
+
+
 def _suspect(state: SystemState, rec: "StepRecord | StepPops") -> bool:
     ranks = state.ranks
     q0 = ranks[0].queue
@@ -114,9 +120,9 @@ def _suspect(state: SystemState, rec: "StepRecord | StepPops") -> bool:
         if popped != first:      # rare: compare the outcome kinds, then the payloads
             if [(r, d == _COMMIT) for r, d, _ in popped] != [(r, d == _COMMIT) for r, d, _ in first]:
                 return True
-            if any(d == _COMMIT and p != requests[r].payload for r, d, p in popped):
+            if misread(popped, lambda r: requests[r].payload):
                 return True
-    if any(d == _COMMIT and p != requests[r].payload for r, d, p in first):
+    if misread(first, lambda r: requests[r].payload):
         return True
     return bool(first and q0) and not set(q0).isdisjoint(r for r, _, _ in first)
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from model.spec import machine
 from model.spec.batch import Stepper, decode, deliver
-from model.spec.invariants import Violation, step_violations
+from model.spec.invariants import Violation, misread, step_violations
 from model.spec.kernel import compare_index
 from model.spec.events import Fence, Step
 from model.spec.machine import (_AGES_FROM, _COMMIT, _FAILED, _KEEP, _NO_DEFERRAL, _SUCCESS,
@@ -402,9 +402,8 @@ class PackedState:
         if self.general is not None:
             return step_violations(self.general, rec)
         reqs = self.reqs
-        for r, d, p in rec.popped[0]:
-            if d == _COMMIT and p != reqs[r].sent_payload:
-                return step_violations(self.system(), rec)
+        if misread(rec.popped[0], lambda r: reqs[r].sent_payload):
+            return step_violations(self.system(), rec)
         return []
 
     # -- the protocol step -----------------------------------------------------------
