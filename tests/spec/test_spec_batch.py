@@ -7,14 +7,13 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from model.spec.batch import (KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, Stepper, deliver,
-                              step_pops)
+from model.spec.batch import Stepper, deliver, step_pops
 from model.spec.events import PAYLOAD, ROOM, Enqueue, Fail, KvDone, Land, Step
 from model.spec.machine import EventNotEnabled, StepPops, apply
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS, get_variant
 
-from .walks import compare_with_apply, random_walk
+from .walks import compare_with_apply, event_code, random_walk
 
 ALL = [*VARIANTS.values(), *ABLATIONS.values(), get_variant("strict", 1), get_variant("strict", 2)]
 
@@ -92,13 +91,6 @@ def test_step_pops_refuses_a_hung_state_like_apply():
         step_pops(state)
 
 
-def _code(ev, ranks: int) -> int:
-    kind = {KvDone: KV_DONE, Fail: KV_FAILED}.get(type(ev))
-    if kind is None:
-        kind = ROOM_LANDS if ev.field == ROOM else PAYLOAD_LANDS
-    return kind * ranks + ev.rank
-
-
 def _odd(rng: random.Random, ranks: int, nxt: int):
     k, r = rng.randrange(ranks), rng.randint(0, nxt + 1)
     return rng.choice([KvDone(k, r), Fail(k, r), Land(k, r, rng.choice([ROOM, PAYLOAD]))])
@@ -106,7 +98,7 @@ def _odd(rng: random.Random, ranks: int, nxt: int):
 
 def test_deliver_matches_apply_including_refused_events():
     delivered, refused = compare_with_apply(
-        random.Random(12), ALL, lambda s, ev: deliver(s, ev.req, [_code(ev, s.n_ranks)]),
+        random.Random(12), ALL, lambda s, ev: deliver(s, ev.req, [event_code(ev, s.n_ranks)]),
         (KvDone, Fail, Land), _odd)
     assert delivered > 1000 and refused > 1000
     for codes in ([8], [-1], [1.5], [0, 99]):      # -1 would wrap round the decode table
@@ -139,7 +131,7 @@ def test_deliver_of_many_events_is_apply_of_each_until_the_first_refused(variant
                 want = str(exc)
                 break
         try:
-            deliver(fast, r, [_code(e, ranks) for e in batch])
+            deliver(fast, r, [event_code(e, ranks) for e in batch])
             got = None
         except EventNotEnabled as exc:
             got = str(exc)

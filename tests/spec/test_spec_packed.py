@@ -8,22 +8,14 @@ import random
 import pytest
 
 from model.spec.events import Enqueue, Event, Fail, Fence, KvDone, Land, Step
-from model.spec.machine import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS, EventNotEnabled, apply
+from model.spec.machine import EventNotEnabled, apply
 from model.spec.packed import PackedState, packs
 from model.spec.state import initial_state
 from model.spec.variants import ABLATIONS, VARIANTS, get_variant
 
-from .walks import random_walk
+from .walks import event_code, random_walk, refusal
 
 ALL = [*VARIANTS.values(), *ABLATIONS.values(), get_variant("strict", 1), get_variant("strict", 2)]
-_KIND = {KvDone: KV_DONE, Fail: KV_FAILED}
-
-
-def _code(ev: Event, n: int) -> int:
-    kind = _KIND.get(type(ev))
-    if kind is None:
-        kind = PAYLOAD_LANDS if ev.field == "payload" else ROOM_LANDS
-    return kind * n + ev.rank
 
 
 def _perform(packed: PackedState, ev: Event, quiet: bool):
@@ -35,7 +27,7 @@ def _perform(packed: PackedState, ev: Event, quiet: bool):
             return packed.enqueue(ev.req, ev.room, ev.payload)
         if isinstance(ev, Fence):
             return packed.fence(ev.rank, ev.req)
-        return packed.deliver(ev.req, [_code(ev, packed.n_ranks)])
+        return packed.deliver(ev.req, [event_code(ev, packed.n_ranks)])
     except EventNotEnabled as exc:
         return str(exc)
 
@@ -45,14 +37,6 @@ def _reference(state, ev: Event):
         return apply(state, ev, detail=False)
     except EventNotEnabled as exc:
         return str(exc)
-
-
-def _outcome(fn, *args):
-    try:
-        fn(*args)
-    except EventNotEnabled as exc:
-        return str(exc)
-    return None
 
 
 def _odd(rng: random.Random, n: int, reqs: int) -> Event:
@@ -110,26 +94,26 @@ def test_packed_batches_and_forget_match_apply():
             req = rng.randint(0, max(nxt - 1, 0))
             codes = [rng.randrange(4 * n) for _ in range(rng.randint(1, 3 * n))]
             if rng.random() < 0.5:
-                assert _outcome(deliver, ref, req, codes) == _outcome(packed.deliver, req, codes)
+                assert refusal(deliver, ref, req, codes) == refusal(packed.deliver, req, codes)
             else:       # the set of those events, in code order
                 events = sum(1 << c for c in set(codes))
-                assert _outcome(deliver, ref, req, sorted(set(codes))) == _outcome(
+                assert refusal(deliver, ref, req, sorted(set(codes))) == refusal(
                     packed.deliver_set, req, events)
                 sets += 1
             batches += 1
-            want = _outcome(forget, ref, req)
+            want = refusal(forget, ref, req)
             if rng.random() < 0.5:
-                assert _outcome(packed.forget, req) == want
+                assert refusal(packed.forget, req) == want
             else:       # forget_done keeps what is still written somewhere, refuses the rest
                 kept: list = []
-                got = _outcome(lambda r: kept.extend(packed.forget_done([r])), req)
+                got = refusal(lambda r: kept.extend(packed.forget_done([r])), req)
                 assert (got, kept) in ([(want, [])] if want is None or not packed.tracked(req)
                                        else [(None, [req])])
             forgotten += want is None
             assert packed.system().key() == ref.key()
     assert batches > 3000 and forgotten > 50 and sets > 1000
     for bad in (-1, 1 << (4 * n), 2.0, True):
-        assert "not a set of event codes" in _outcome(packed.deliver_set, 0, bad)
+        assert "not a set of event codes" in refusal(packed.deliver_set, 0, bad)
 
 
 @pytest.mark.parametrize("rule,test", [

@@ -4,7 +4,8 @@ from __future__ import annotations
 import random
 from typing import Callable, Iterator, Sequence
 
-from model.spec.events import Enqueue, Event
+from model.spec.events import ROOM, Enqueue, Event, Fail, KvDone
+from model.spec.machine import KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
 from model.spec.machine import EventNotEnabled, apply, enabled
 from model.spec.state import SystemState, initial_state
 from model.spec.variants import Variant
@@ -24,13 +25,21 @@ def random_walk(rng: random.Random, state: SystemState, moves: int) -> Iterator[
         yield ev, nxt
 
 
-def refusal(fn: Callable[[SystemState, Event], None], state: SystemState, ev: Event) -> str | None:
-    """``fn(state, ev)``'s EventNotEnabled message, or None where it was allowed."""
+def refusal(fn: Callable[..., object], *args: object) -> str | None:
+    """``fn(*args)``'s EventNotEnabled message, or None where it was allowed."""
     try:
-        fn(state, ev)
+        fn(*args)
     except EventNotEnabled as exc:
         return str(exc)
     return None
+
+
+def event_code(ev: Event, ranks: int) -> int:
+    """A KvDone / Fail / Land as batch.deliver's code ``kind * ranks + rank``."""
+    kind = {KvDone: KV_DONE, Fail: KV_FAILED}.get(type(ev))
+    if kind is None:
+        kind = ROOM_LANDS if ev.field == ROOM else PAYLOAD_LANDS
+    return kind * ranks + ev.rank
 
 
 def compare_with_apply(rng: random.Random, variants: Sequence[Variant], form: Callable[[SystemState, Event], None],
