@@ -11,7 +11,8 @@ from model.spec.variants import VARIANTS
 from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
-from sim.engine import RunData, Simulation, trace_writer, traced_variant
+from sim.engine import Simulation, trace_writer, traced_variant
+from sim.rundata import RunData
 from sim.hazard import HAZARD_COLUMNS, hazard_line, summarize_hazard
 from sim.errors import SimCutShort, SimInputError, check_writable, run_reporting
 from sim.options import add_model_arguments, build_config, build_workload, nonneg_int, positive_int

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.engine import RunData
+from sim.rundata import RunData
 
 # Student t 0.975 quantiles for 1..30 degrees of freedom (beyond: the normal's 1.96).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,

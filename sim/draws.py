@@ -19,7 +19,6 @@ from sim.workload import Workload
 
 STREAMS = {"workload": 0, "transfer": 1, "lag": 2, "faults": 3, "ids": 4, "forward": 5,
            "idle": 6, "fence": 7}
-_CHUNK = 4096
 
 
 def stream(seed: int, name: str) -> np.random.Generator:
@@ -141,45 +140,3 @@ def _check_bounded(d: DrawChunk, cfg: SimConfig, prefill_ms: np.ndarray) -> None
             if not top <= limit:       # also catches NaN and inf
                 raise SimInputError(f"{flag}: draws up to {top:.3g} ms exceed --max-sim-seconds "
                                     f"({cfg.max_sim_s:g} s), so the run would not end")
-
-
-class StepTimes:
-    """Per-step durations from one stream, drawn in blocks (step j gets draw j): one at a
-    time (``next``) or many at once (``advance``), in the same order either way."""
-
-    def __init__(self, dist: Dist, rng: np.random.Generator):
-        self.dist, self.rng = dist, rng
-        self.block: list[float] = []
-        self.pos = 0              # the next draw's index in block
-
-    def _refill(self) -> None:
-        self.block, self.pos = self.dist.draw(self.rng, _CHUNK).tolist(), 0
-
-    def next(self) -> float:
-        pos = self.pos
-        if pos == len(self.block):
-            self._refill()
-            pos = 0
-        self.pos = pos + 1
-        return self.block[pos]
-
-    def advance(self, t: float, until: float, most: int) -> tuple[float, int]:
-        """``t`` plus the next durations, added one at a time (the same sums as ``t +=
-        next()`` in a loop), stopping after ``most`` of them or after the first sum that
-        reaches ``until``; and how many were taken."""
-        taken = 0
-        while True:
-            block, start = self.block, self.pos
-            stop = start + most - taken
-            if stop > len(block):
-                stop = len(block)
-            for k in range(start, stop):
-                t += block[k]
-                if t >= until:
-                    self.pos = k + 1
-                    return t, taken + k + 1 - start
-            taken += stop - start
-            self.pos = stop
-            if taken == most:
-                return t, taken
-            self._refill()

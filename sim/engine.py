@@ -18,7 +18,7 @@ from bisect import bisect_right
 from array import array
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,14 +35,16 @@ from model.spec.trace import TraceWriter
 from model.spec.timeouts import deployed_variant
 from model.spec.variants import VARIANTS, Admission, Variant
 from sim.config import SimConfig
-from sim.draws import Draws, StepTimes, draw, stream
+from sim.draws import Draws, draw, stream
+from sim.steptimes import StepTimes
 from sim.errors import SimInputError
+from sim.rundata import Divergence, RunData
 from sim.workload import Workload
 
 # timeline event kinds, in same-time order (codes kind * ranks + rank, as batch.deliver's)
 KV, FAIL, PAY, ROOMF = KV_DONE, KV_FAILED, PAYLOAD_LANDS, ROOM_LANDS
 CHUNK = 4096      # requests whose timelines are laid out together (see _layout)
-_LAND_FIELD = (None, None, PAYLOAD, ROOM)   # by kind
+_LAND_FIELD = {PAY: PAYLOAD, ROOMF: ROOM}   # by kind
 _STEP = Step()
 FORGET_BATCH = 256
 _COMMIT = int(Decision.COMMIT)
@@ -101,7 +103,7 @@ def _array_of(typecode: str, values: np.ndarray) -> array:
     """A copy of a numpy array of that item size, sized exactly (array() from bytes
     over-allocates by 1/16, and a chunk's layout is large) and without a bytes copy."""
     out = array(typecode, [0]) * values.size
-    memoryview(out).cast("B")[:] = memoryview(np.ascontiguousarray(values)).cast("B")
+    memoryview(out).cast("B")[:] = np.ascontiguousarray(values).data.cast("B")
     return out
 
 
@@ -128,7 +130,7 @@ class _Tick(Event):
     and scheduling order, so a fresh Timeout would sort the same)."""
 
     def __init__(self, env: simpy.Environment):
-        self.env, self._value, self._ok, self.callbacks = env, None, True, None
+        self.env, self._value, self._ok, self.callbacks = env, None, True, []
 
     def after(self, delay: float) -> "_Tick":
         self.callbacks = []          # the process that yields it adds its resume
@@ -169,39 +171,6 @@ class _Timeline:
         while end < len(offsets) and base + offsets[end] <= now:
             end += 1
         return end
-
-
-@dataclass
-class Divergence:
-    step: int
-    time_ms: float
-    violation: Violation
-
-    def as_dict(self) -> dict[str, Any]:
-        v = self.violation
-        return {"step": self.step, "time_ms": round(self.time_ms, 6), "invariant": v.invariant,
-                "ranks": list(v.ranks), "requests": list(v.reqs), "detail": v.detail}
-
-
-@dataclass
-class RunData:
-    """What a run produced (summaries are in sim/results.py)."""
-    cfg: SimConfig
-    variant: Variant
-    workload: Workload
-    arrival_ms: np.ndarray
-    commit_ms: np.ndarray          # nan unless committed
-    kv_all_ms: np.ndarray          # nan unless every rank's KV reached Success
-    outcome: np.ndarray            # -1 undecided, else a Decision value
-    protocol_steps: int
-    decode_steps: int
-    sim_ms: float
-    wall_seconds: float
-    divergence: Divergence | None
-    stuck: int                     # requests held forever (no timeout can free them)
-    peak_in_flight: int            # most requests arrived and not yet done at once
-    spans: list[tuple] = field(default_factory=list)   # Perfetto data, when recorded
-    cut_short: str | None = None   # the run hit --max-sim-seconds or --max-steps
 
 
 class Simulation:
@@ -281,8 +250,10 @@ class Simulation:
         except EventNotEnabled as exc:
             _refused(exc)
         self.since_poll += len(events)
+        trace = self.trace
+        assert trace is not None       # (only traced runs come here)
         for ev in events:
-            self.trace.event(ev, now)
+            trace.event(ev, now)
 
     def _prefill_plan(self) -> tuple[list[float], list[int]]:
         """Prefill completion times and requests, in completion order. Prefill depends
@@ -355,7 +326,7 @@ class Simulation:
                 t = s.start_ms + s.duration_ms
         return t
 
-    def _layout(self, c: int) -> tuple[array, array, list[int], np.ndarray, array]:
+    def _layout(self, c: int) -> tuple[array, array, list[int], np.ndarray, array, list[int]]:
         """Timelines of requests ``c * CHUNK ..`` relative to their enqueue time, laid out
         with numpy: event offsets sorted per request (absent events last, at +inf) and
         their codes (float64 and int64 arrays, ``3 * ranks`` per request), the count of
@@ -516,6 +487,7 @@ class Simulation:
             self._drain(self.env.now)
         self._deliver(tl, -math.inf)
         if tl.pos < len(tl.codes):
+            assert tl.due is not None      # (this callback is its _At)
             tl.due.again(tl.time(tl.pos) - self.env.now)
         else:
             self._settle()

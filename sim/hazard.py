@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from sim.compare import mean_ci
-from sim.engine import RunData
+from sim.rundata import RunData
 
 HAZARD_COLUMNS = ("variant", "invariant", "replications", "breaks", "no_break",
                   "requests_to_break_mean", "requests_to_break_ci95_lo", "requests_to_break_ci95_hi",

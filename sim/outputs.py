@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from model.spec.kernel import Decision
-from sim.engine import RunData
+from sim.rundata import RunData
 from sim.results import gate_delay_ms, ttft_ms
 
 

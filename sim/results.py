@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from model.spec.kernel import Decision
-from sim.engine import RunData
+from sim.rundata import RunData
 
 SUMMARY_KEYS = ("variant", "ranks", "requests", "committed", "aborted", "diverged",
                 "diverged_at_step", "ttft_p50_ms", "ttft_p99_ms", "gate_delay_p50_ms",

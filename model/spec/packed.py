@@ -156,11 +156,12 @@ class PackedState:
         requests = {r: Request(q.sent_room, q.sent_payload) for r, q in self.reqs.items()}
         return SystemState(self.variant, self.n_slots, ranks, requests, self._steps)
 
-    def _fall_back(self) -> SystemState:
+    def _fall_back(self) -> Stepper:
+        """machine.py's form from now on (its Stepper, on system())."""
         self.general = self.system()
-        self._stepper = Stepper(self.general)
+        stepper = self._stepper = Stepper(self.general)
         self.reqs, self.queue = {}, []
-        return self.general
+        return stepper
 
     @property
     def steps(self) -> int:
@@ -413,17 +414,19 @@ class PackedState:
         The packed form keeps each request's MIN until an event changes it, and knows
         itself when no event came since a step that could pop nothing: without a
         timeout to reach, that step repeats (only the ages move)."""
-        if self.general is not None:
+        if self._stepper is not None:
             return self._stepper.step(quiet)
         queue = self.queue
+        popping: list[int] = []
+        decided: list[tuple[int, int, int]] | None = []
         if self._kept is not None:                # the last step, again
-            ageing, popping, decided = self._kept, (), ()
+            ageing = self._kept
         else:
             reduced, popping, ageing = self._reduce()
-            decided = self._decide(reduced, popping) if popping else ()
+            if popping:
+                decided = self._decide(reduced, popping)
             if decided is None:                   # the ranks part: machine.py's step
-                self._fall_back()
-                return self._stepper.step(False)
+                return self._fall_back().step(False)
         step_no = self._steps
         self._steps += 1
         for q in ageing:
@@ -495,7 +498,7 @@ class PackedState:
     def _decide(self, reduced: list[int], popping: list[int]) -> list[tuple[int, int, int]] | None:
         """(position, Decision, payload read) of each request the MIN lets leave, the
         same on every rank; None if any rank decides or reads otherwise."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         reqs, rooms, payloads = self.reqs, self.rooms, self.payloads
         queue, everyone, pop = self.queue, self.all_ranks, self._tables[1]
         for pos in popping:
@@ -506,19 +509,19 @@ class PackedState:
                 d = pop[row + compare_index(expected, expected)]
                 first = (d, q.sent_payload if d == _COMMIT else 0)
             else:
-                first = None
+                first = (-1, 0)           # (no rank yet: every rank holds it, agreed admission)
                 for seen, read in zip(_seen(rooms, q.slots), _seen(payloads, q.slots)):
                     d = pop[row + compare_index(seen, expected)]
                     got = (d, read if d == _COMMIT else 0)
-                    if first is None:
+                    if first[0] < 0:
                         first = got
                     elif got != first:
                         return None
             if first[0] != _KEEP:    # (every rank keeps it: the MIN was Success, no room)
-                out.append((pos, *first))
+                out.append((pos, first[0], first[1]))
         return out
 
-    def _leave(self, popped: tuple[tuple[int, int, int], ...], positions: list[int]) -> None:
+    def _leave(self, popped: Sequence[tuple[int, int, int]], positions: list[int]) -> None:
         """machine._leave, _free_slots and _forget_if_done on every rank at once: each
         rank frees the slot now, or quarantines it while writes are pending there."""
         if self.variant.free_order is not FreeOrder.QUEUE:

@@ -8,7 +8,8 @@ import numpy as np
 from sim.config import SimConfig
 from sim.dists import parse_dist
 from sim.draws import stream
-from sim.engine import RunData, Simulation, trace_writer
+from sim.engine import Simulation, trace_writer
+from sim.rundata import RunData
 from sim.workload import Workload, synthetic
 
 

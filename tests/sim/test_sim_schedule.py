@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from sim.dists import parse_dist
-from sim.draws import StepTimes, stream
+from sim.draws import stream
+from sim.steptimes import StepTimes
 from sim.engine import Simulation
 from tests.sim.helpers import config, workload
 
