@@ -30,6 +30,7 @@ import gc
 import time
 import tracemalloc
 
+from model import _native
 from model.spec import Enqueue, Step, apply, get_variant, initial_state
 from sim.config import SimConfig
 from sim.dists import parse_dist
@@ -157,14 +158,15 @@ def _before_tree() -> str | None:
     return os.path.abspath(tree)      # its subprocesses run from there
 
 
-def _tree_cpu(tree: str, name: str, n: int, sample: str) -> float:
-    """CPU seconds of ``tree``'s simulator on load ``name`` (its code, the same load); a
+def _tree_cpu(tree: str, name: str, n: int, sample: str, source: bool = False) -> float:
+    """CPU seconds of ``tree``'s simulator on load ``name`` (its code, the same load; with
+    ``source``, its modules' source even where they are compiled: PDGATE_PURE=1); a
     tree whose runs fail or take over TREE_RUN_TIMEOUT_S is a BenchInputError."""
     import os
     import subprocess
     import sys
     from bench.cli import BenchInputError
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {**os.environ, "PYTHONPATH": tree, "PDGATE_PURE": "1" if source else ""}
     try:
         done = subprocess.run([sys.executable, "-c", _ONE_RUN, name, str(n), sample], cwd=tree,
                               env=env, capture_output=True, text=True, timeout=TREE_RUN_TIMEOUT_S)
@@ -188,13 +190,15 @@ def _throughput(quick: bool) -> dict:
     n_poisson = 2000 if quick else 10_000
     loads = {"mooncake": load_trace(sample), "poisson": _workload(n_poisson, 4.0)}
     before = _before_tree()
-    out: dict = {}
+    compiled = _native.compiled()
+    out: dict = {"simulator_compiled": compiled}
     cfg = SimConfig(variant="gate", ranks=8)
     for name, wl in loads.items():
         walls: dict[bool, list[float]] = {False: [], True: []}
         cpus: dict[bool, list[float]] = {False: [], True: []}
         before_cpus: list[float] = []
         after_cpus: list[float] = []          # this tree, in subprocesses like the before tree's
+        source_cpus: list[float] = []         # this tree's source, where it is compiled
         for _ in range(2 if quick else 5):
             for eager in (False, True):
                 sim = Simulation(cfg, wl, eager=eager)
@@ -202,9 +206,12 @@ def _throughput(quick: bool) -> dict:
                 sim.run()
                 walls[eager].append(time.perf_counter() - t0)
                 cpus[eager].append(time.process_time() - c0)
+            if before or compiled:
+                after_cpus.append(_tree_cpu(here, name, n_poisson, sample))
             if before:
                 before_cpus.append(_tree_cpu(before, name, n_poisson, sample))
-                after_cpus.append(_tree_cpu(here, name, n_poisson, sample))
+            if compiled:
+                source_cpus.append(_tree_cpu(here, name, n_poisson, sample, source=True))
         out[f"{name}_requests_per_s_8_ranks"] = round(len(wl) / min(walls[False]))
         out[f"{name}_requests_per_s_8_ranks_eager"] = round(len(wl) / min(walls[True]))
         out[f"{name}_requests_per_cpu_s_8_ranks"] = round(len(wl) / min(cpus[False]))
@@ -212,6 +219,9 @@ def _throughput(quick: bool) -> dict:
         if before_cpus:
             out[f"{name}_requests_per_cpu_s_8_ranks_before"] = round(len(wl) / min(before_cpus))
             out[f"{name}_speedup_vs_before_cpu"] = round(min(before_cpus) / min(after_cpus), 2)
+        if source_cpus:
+            out[f"{name}_requests_per_cpu_s_8_ranks_source"] = round(len(wl) / min(source_cpus))
+            out[f"{name}_speedup_compiled_vs_source_cpu"] = round(min(source_cpus) / min(after_cpus), 2)
     return out
 
 

@@ -8,6 +8,8 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
 python -m pip install -q --root-user-action=ignore torch==2.13.0
 python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
+# setup.py compiles the simulator's hot modules with mypyc where a C compiler is there
+python -c 'from model import _native; print("pdgate: the simulator is", "compiled" if _native.compiled() else "plain Python (compiled build skipped: see the install log)")'
 # SGLang's released wheels, for `pdgate conform` (read from the cache, never fetched at run
 # time): the pinned set in impl/sglang/wheels.py, without dependencies, into
 # $PDGATE_SGLANG_CACHE (default ~/.cache/pdgate/sglang); releases already there are kept.

@@ -246,14 +246,15 @@ class PackedState:
         for code in codes:           # one by one: a refused event raises after the others
             self._arrive(req, q, *table[code])
 
-    def deliver_set(self, req: int, events: int) -> None:
+    def deliver_set(self, req: int, events: object) -> None:
         """``deliver`` of the codes in the set ``events`` (bit ``code``), in code order:
         every KvDone, then every Fail, every payload, every room. A driver may hand a
         request's events over so when that order is as good as its own: events on
         different ranks commute (each touches its rank's receiver, row and slot), so it
         holds where each rank's events come in kind order, as KV, then payload, then
         room do in the simulator's physics."""
-        if type(events) is not int or events < 0 or events >> len(self._codes):
+        if (not isinstance(events, int) or isinstance(events, bool) or events < 0
+                or events >> len(self._codes)):      # (object: checked here, not at the call)
             raise EventNotEnabled(f"deliver_set: {events!r} is not a set of event codes "
                                   f"0..{len(self._codes) - 1}")
         q = self.reqs.get(req) if self.general is None else None

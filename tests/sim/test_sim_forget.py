@@ -27,6 +27,7 @@ def test_forget_refuses_live_requests_and_drops_finished_ones():
         forget(s, 1)
 
 
+@pytest.mark.source_modules
 @pytest.mark.parametrize("variant,faults", [("gate", {}), ("strict", dict(fail_prob=0.2, late_write="exp:50"))])
 def test_forgetting_does_not_change_results_or_traces(monkeypatch, variant, faults):
     cfg = config(variant=variant, ranks=4, seed=5, **faults)

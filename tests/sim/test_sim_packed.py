@@ -29,6 +29,7 @@ def _outputs(cfg, wl):
             (d.protocol_steps, d.decode_steps, d.sim_ms, d.stuck, d.peak_in_flight, d.cut_short, div))
 
 
+@pytest.mark.source_modules
 @pytest.mark.parametrize("variant,faults", CASES)
 def test_packed_and_machine_state_give_the_same_run(monkeypatch, variant, faults):
     cfg, wl = config(variant=variant, seed=3, **faults), workload(300, rate=40.0, seed=3)
@@ -50,6 +51,7 @@ def test_the_cases_reach_commits_aborts_and_divergences():
     assert found >= 1 and committed >= 4 and aborted >= 3, (found, committed, aborted)
 
 
+@pytest.mark.source_modules
 def test_a_packed_state_blind_to_late_writes_changes_the_runs(monkeypatch):
     """The comparison can fail: a packed form that misses late writes into reused slots
     (and so trusts the tenant's own rows) misses divergences the runs above find."""

@@ -116,6 +116,7 @@ def test_packed_batches_and_forget_match_apply():
         assert "not a set of event codes" in refusal(packed.deliver_set, 0, bad)
 
 
+@pytest.mark.source_modules
 @pytest.mark.parametrize("rule,test", [
     ("_release", lambda: test_packed_state_is_apply_event_for_event()),
     ("_mark_tenant", lambda: test_a_late_write_into_a_reused_slot_is_seen_by_the_packed_step())])
