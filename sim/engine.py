@@ -130,7 +130,8 @@ class _Tick(Event):
     and scheduling order, so a fresh Timeout would sort the same)."""
 
     def __init__(self, env: simpy.Environment):
-        self.env, self._value, self._ok, self.callbacks = env, None, True, []
+        self.env, self._value, self._ok = env, None, True
+        self.callbacks: Any = []        # (SimPy sets it to None once processed)
 
     def after(self, delay: float) -> "_Tick":
         self.callbacks = []          # the process that yields it adds its resume
