@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 
@@ -31,14 +32,16 @@ def config(**kw) -> SimConfig:
     return SimConfig(**kw)
 
 
-def run(cfg: SimConfig, wl: Workload | None = None, traced: bool = False) -> tuple[RunData, str]:
-    """Run once; with ``traced`` also return the spec trace text."""
+def run(cfg: SimConfig, wl: Workload | None = None, traced: bool = False,
+        **kw: Any) -> tuple[RunData, str]:
+    """Run once (``kw``: Simulation's keywords); with ``traced`` also return the spec
+    trace text."""
     wl = wl if wl is not None else workload(seed=cfg.seed)
     if not traced:
-        return Simulation(cfg, wl).run(), ""
+        return Simulation(cfg, wl, **kw).run(), ""
     buf = io.StringIO()
     writer = trace_writer(buf, cfg, "test")
-    data = Simulation(cfg, wl, trace=writer).run()
+    data = Simulation(cfg, wl, trace=writer, **kw).run()
     return data, buf.getvalue()
 
 

@@ -2,11 +2,10 @@
 reports on machine.py's own state: every per-request result, count and divergence, for
 the packed variants under faults that reach late writes into reused slots,
 quarantines, fences, timeouts and divergences."""
-import numpy as np
 import pytest
 
 import model.spec.packed as packed
-from sim.engine import Simulation
+from tests.sim.digests import digest
 from tests.sim.helpers import config, workload
 
 CASES = [
@@ -22,32 +21,23 @@ CASES = [
 ]
 
 
-def _outputs(cfg, wl):
-    d = Simulation(cfg, wl).run()
-    div = d.divergence.as_dict() if d.divergence else None
-    return ([a.tobytes() for a in (d.commit_ms, d.kv_all_ms, d.outcome)],
-            (d.protocol_steps, d.decode_steps, d.sim_ms, d.stuck, d.peak_in_flight, d.cut_short, div))
-
-
 @pytest.mark.source_modules
 @pytest.mark.parametrize("variant,faults", CASES)
 def test_packed_and_machine_state_give_the_same_run(monkeypatch, variant, faults):
     cfg, wl = config(variant=variant, seed=3, **faults), workload(300, rate=40.0, seed=3)
-    on_packed = _outputs(cfg, wl)
+    on_packed = digest(cfg, wl)
     monkeypatch.setattr(packed, "packs", lambda v: False)     # machine.py's form throughout
-    assert _outputs(cfg, wl) == on_packed
+    assert digest(cfg, wl) == on_packed
 
 
 def test_the_cases_reach_commits_aborts_and_divergences():
     """The cases above are not all quiet: they commit, abort, and some run diverges."""
     found = aborted = committed = 0
     for variant, faults in CASES:
-        arrays, counts = _outputs(config(variant=variant, seed=3, **faults),
-                                  workload(300, rate=40.0, seed=3))
-        outcome = np.frombuffer(arrays[2], dtype=np.int8)
-        found += counts[-1] is not None
-        committed += (outcome == 1).any()
-        aborted += (outcome > 1).any()
+        got = digest(config(variant=variant, seed=3, **faults), workload(300, rate=40.0, seed=3))
+        found += got["divergence"] is not None
+        committed += 1 in got["outcomes"]
+        aborted += max(got["outcomes"]) > 1
     assert found >= 1 and committed >= 4 and aborted >= 3, (found, committed, aborted)
 
 
@@ -55,9 +45,9 @@ def test_the_cases_reach_commits_aborts_and_divergences():
 def test_a_packed_state_blind_to_late_writes_changes_the_runs(monkeypatch):
     """The comparison can fail: a packed form that misses late writes into reused slots
     (and so trusts the tenant's own rows) misses divergences the runs above find."""
-    honest = [_outputs(config(variant=v, seed=3, **f), workload(300, rate=40.0, seed=3))
+    honest = [digest(config(variant=v, seed=3, **f), workload(300, rate=40.0, seed=3))
               for v, f in CASES]
     monkeypatch.setattr(packed.PackedState, "_mark_tenant", lambda self, k, slot, bit: None)
-    blind = [_outputs(config(variant=v, seed=3, **f), workload(300, rate=40.0, seed=3))
+    blind = [digest(config(variant=v, seed=3, **f), workload(300, rate=40.0, seed=3))
              for v, f in CASES]
     assert sum(a != b for a, b in zip(honest, blind)) >= 2
