@@ -286,21 +286,19 @@ class Simulation:
         if pos == end:
             self._settle()
 
-    def _finish(self, now: float) -> None:
-        """A request is done (decoded or aborted)."""
-        self._in_flight_peak(now)
-        self.finished += 1
+    def _finish(self, now: float, n: int = 1) -> None:
+        """``n`` requests are done (decoded or aborted) at ``now``."""
+        self._in_flight_peak(now)      # (before they count: the peak is just before)
+        self.finished += n
 
     def _decoded(self, step: int, now: float) -> None:
-        """The running requests whose last decode step is ``step`` are done (at ``now``):
-        as many _finish calls, whose first alone can raise the peak."""
+        """The running requests whose last decode step is ``step`` are done (at ``now``)."""
         running, n = self.running, 0
-        self._in_flight_peak(now)
         while running and running[0][0] <= step:
             heapq.heappop(running)
             n += 1
         self.in_pool -= n
-        self.finished += n
+        self._finish(now, n)
 
     def _in_flight_peak(self, now: float) -> None:
         """Count the arrivals up to ``now``. In flight (arrived - finished) falls only at
