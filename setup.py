@@ -44,6 +44,10 @@ class OptionalBuildExt(build_ext):
     """build_ext whose failure leaves a working pure-Python install, and which records
     the compiled sources' hashes beside the extensions."""
 
+    def _manifest(self) -> Path:
+        """model/_native.json, in the model package where this build puts it."""
+        return Path(self.get_ext_fullpath("model._native")).parent / native.MANIFEST
+
     def run(self) -> None:
         if not self.extensions:
             return
@@ -52,15 +56,10 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:      # no compiler, no headers
             _say(f"compiled build failed ({type(exc).__name__}: {exc}); the simulator stays plain Python")
             return
-        out = Path(self.get_ext_fullpath(native.COMPILED[0])).parents[1] / native.MANIFEST
-        out.write_text(json.dumps(native.manifest(HERE), indent=1, sort_keys=True) + "\n")
+        self._manifest().write_text(json.dumps(native.manifest(HERE), indent=1, sort_keys=True) + "\n")
 
     def get_outputs(self) -> list:
-        outputs = super().get_outputs()
-        if self.extensions:
-            outputs.append(str(Path(self.get_ext_fullpath(native.COMPILED[0])).parents[1]
-                               / native.MANIFEST))
-        return outputs
+        return super().get_outputs() + ([str(self._manifest())] if self.extensions else [])
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

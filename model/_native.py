@@ -68,20 +68,20 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(name, source_path(name))
 
 
-_state: dict[str, bool] = {}
+_compiled: bool | None = None      # guard()'s decision, once per process
 
 
 def guard() -> None:
     """Decide once per process: the compiled modules, or every one from source."""
-    if "compiled" in _state:
+    global _compiled
+    if _compiled is not None:
         return
-    use = os.environ.get("PDGATE_PURE", "") in ("", "0") and _fresh()
-    _state["compiled"] = use
-    if not use and not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
+    _compiled = os.environ.get("PDGATE_PURE", "") in ("", "0") and _fresh()
+    if not _compiled:
         sys.meta_path.insert(0, _SourceFinder())
 
 
 def compiled() -> bool:
     """Whether this process runs the compiled modules (see guard)."""
     guard()
-    return _state["compiled"]
+    return bool(_compiled)

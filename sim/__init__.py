@@ -1,5 +1,3 @@
 """The reference simulator: SimPy decides *when* events happen, ``model.spec`` decides
 *what* every rank does (docs/SIMULATOR.md)."""
-from model import _native
-
-_native.guard()        # before sim.engine is imported: compiled only if fresh
+import model  # noqa: F401  (its __init__ runs the compiled build's guard before sim.engine loads)
