@@ -23,7 +23,7 @@ Figures:
   ratio to it. Recorded before issue 11 item 5 (b44bea5, this 2-core machine): ~6,100
   (Mooncake) and ~6,200 (Poisson) requests per wall second; before the packed state
   (ef1485a): ~11,000 and ~12,000; from source at 2b48376: 16,500-22,000 and
-  17,800-23,700; compiled: 24,700-38,600 and 25,500-38,000; the goal is 20,000;
+  17,800-23,700; compiled: 24,700-38,600 and 25,500-42,500; the goal is 20,000;
 - the trace reader: rows per second and peak traced memory streaming a generated
   Azure-2024-format CSV (the memory must not grow with the file).
 """
