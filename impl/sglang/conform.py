@@ -97,10 +97,51 @@ def default_sources(traces_dir: str) -> list[Source]:
     if not paths:
         raise ConformInputError(f"no traces in {d}: run `pdgate prove --traces {d}` first, "
                                 f"or name TRACE files")
-    return [read_source(str(p)) for p in paths] + simulator_sources()
+    return [read_source(str(p)) for p in paths] + builtin_sources()
 
 
-def simulator_sources() -> list[Source]:
+STALE_ROOM = "stale-room.jsonl"
+
+
+def stale_room_events() -> list[Any]:
+    """A slot reused after a commit, on 2 ranks: request 1's writes reach rank 1 first.
+    A release that zeroes the room on free holds it on rank 0 (its room reads 0) until
+    its writes land there too; one that does not reads request 0's room on rank 0, the
+    gate passes, and the ranks disagree (rank 0 aborts the mismatch, rank 1 commits:
+    #27374, ``gate-noclear``). The default traces need it whatever ``pdgate prove``
+    exported: a release that stops zeroing its slots must differ from ``gate``."""
+    from model.spec.events import PAYLOAD, ROOM, Enqueue, KvDone, Land, Step
+    both = (0, 1)
+    return [Enqueue(0, 1, 7), *(Land(k, 0, f) for k in both for f in (PAYLOAD, ROOM)),
+            *(KvDone(k, 0) for k in both), Step(),
+            Enqueue(1, 2, 8), *(KvDone(k, 1) for k in both), Land(1, 1, PAYLOAD),
+            Land(1, 1, ROOM), Step(), Land(0, 1, PAYLOAD), Land(0, 1, ROOM), Step()]
+
+
+def write_stale_room(path: str) -> None:
+    """The stale-room trace as ``gate-noclear`` takes it (the spec decides every step),
+    with its ``outcomes_agree`` claim."""
+    from model.spec.invariants import step_violations
+    from model.spec.machine import apply
+    from model.spec.state import initial_state
+    from model.spec.trace import TraceWriter
+    variant = get_variant("gate-noclear")
+    state = initial_state(variant, 2, 1)
+    with open(path, "w", encoding="utf-8") as fp:
+        writer = TraceWriter(fp, variant.name, 2, 1, NAME, note="stale room after a reuse")
+        for ev in stale_room_events():
+            rec = apply(state, ev)
+            if rec is None:
+                writer.event(ev)
+                continue
+            writer.step(rec)
+            for viol in step_violations(state, rec):
+                writer.violation(viol, state.steps - 1)
+        writer.end(state.steps)
+
+
+def builtin_sources() -> list[Source]:
+    """The simulator runs and the stale-room trace."""
     from sim import cli as sim_cli
     out = []
     with tempfile.TemporaryDirectory(prefix="pdgate-conform-") as tmp:
@@ -112,10 +153,25 @@ def simulator_sources() -> list[Source]:
                                  *SIM_FLAGS])
             sim_cli.simulate_one(args, variant, seed, path, False)
             out.append(read_source(path))
+        path = str(Path(tmp) / STALE_ROOM)
+        write_stale_room(path)
+        out.append(read_source(path))
     return out
 
 
-def _verdict(result: Any, source: Source) -> dict:
+def _verdict(result: Any, source: Source, fitted: Any = None) -> dict:
+    """The row's verdict. A run of a cut or rewritten trace never reads ``matches``: its
+    verdict is ``cut`` or ``rewritten`` (what changed in ``changes``), what the run found
+    in ``found`` (``differs`` stays ``differs``)."""
+    row = _found(result, source)
+    changes = [] if fitted is None else [*fitted.rewritten, *([fitted.cut] if fitted.cut else [])]
+    if changes and row["verdict"] != "differs":
+        row.update(found=row["verdict"], changes=changes,
+                   verdict="cut" if fitted.cut else "rewritten")
+    return row
+
+
+def _found(result: Any, source: Source) -> dict:
     v = result.validation
     row: dict[str, Any] = {"verdict": "matches", "invariant": None, "step": None}
     if result.refused:
@@ -146,6 +202,10 @@ def _describe(row: dict) -> str:
         text = f"differs at line {row.get('line')}: {row.get('detail')}"
     elif row["verdict"] == "not checked":
         text = f"not checked: {row.get('detail')}"
+    elif row["verdict"] in ("cut", "rewritten"):
+        found = _describe({**row, "verdict": row["found"], "hang": None})
+        head = "" if row["verdict"] == "cut" else "rewritten: "
+        text = f"{head}{'; '.join(row['changes'])} -> {found}"
     else:
         text = "matches"
     if row.get("hang"):
@@ -154,10 +214,32 @@ def _describe(row: dict) -> str:
     return text
 
 
+def patch_variant(patch: str, source: Source, reorder_rooms: bool) -> tuple[Any, str]:
+    """The variant a patched release is checked against on ``source``, unmodified: the
+    patch's timeout is the trace's own where it has one (a decode-side setting), and a
+    trace whose prefill writes a room before its payload is checked against ``patch``
+    without the room order (the decode-side patch cannot reorder the prefill's writes;
+    ``reorder_rooms`` rewrites the trace instead). Returns the variant and why."""
+    from impl.sglang.runner import rooms_before_payloads
+    steps = source.script.header.timeout_steps
+    early = [] if reorder_rooms else rooms_before_payloads(source.script.events)
+    name = f"{patch}-no-room-order" if early and known_variant(f"{patch}-no-room-order") \
+        else patch
+    why = ""
+    if early:
+        i, rank, req = early[0]
+        why = (f"the prefill writes a room before its payload (request {req} on rank {rank}, "
+               f"event {i}): {name}, {patch}'s decode side")
+    return get_variant(name, steps), why
+
+
 def check(versions: list[str], sources: list[Source], *, deferred: bool = False,
-          mode: str = "own", patch: str | None = None, timeout_s: float = 3.0) -> list[dict]:
-    """Run every release on every trace; one row per (release, trace)."""
-    from impl.sglang.runner import Job, fit_script, run_jobs
+          mode: str = "own", patch: str | None = None, timeout_s: float = 3.0,
+          reorder_rooms: bool = False, source_dir: str | None = None) -> list[dict]:
+    """Run every release on every trace; one row per (release, trace). ``reorder_rooms``
+    (with ``patch``): room writes moved after their payloads (rows say ``rewritten``);
+    ``source_dir``: the release's modules read from that tree (e.g. patched)."""
+    from impl.sglang.runner import Job, fit, run_jobs
     rows, jobs, job_rows = [], [], []
     for version in versions:
         vname = release_variant(version, deferred, patch)
@@ -169,21 +251,63 @@ def check(versions: list[str], sources: list[Source], *, deferred: bool = False,
                 row.update(verdict="not checked", invariant=None, step=None,
                            detail=f"variant {vname} is not in this spec")
                 continue
-            script, note = fit_script(src.script, get_variant(vname))
+            variant, why = patch_variant(patch, src, reorder_rooms) if patch else \
+                (get_variant(vname), "")
+            fitted = fit(src.script, variant, reorder_rooms=bool(patch) and reorder_rooms)
+            row["variant"] = variant.name
+            note = "; ".join(x for x in (why, fitted.note) if x)
             if note:
                 row["note"] = note
-            jobs.append(Job(version, mode, deferred, script, note))
-            job_rows.append((row, src))
+            jobs.append(Job(version, mode, deferred, fitted.script, note, source_dir))
+            job_rows.append((row, src, fitted))
     by_ranks: dict[int, list[int]] = {}
     for i, job in enumerate(jobs):
         by_ranks.setdefault(job.script.header.ranks, []).append(i)
     for ranks, idx in sorted(by_ranks.items()):
         results = run_jobs([jobs[i] for i in idx], timeout_s=timeout_s)
         for i, res in zip(idx, results):
-            row, src = job_rows[i]
-            row.update(_verdict(res, src), steps=res.steps, errors=res.errors,
+            row, src, fitted = job_rows[i]
+            row.update(_verdict(res, src, fitted), steps=res.steps, errors=res.errors,
                        stub_reads=res.reads)
     return rows
+
+
+def emit_diffs(versions: list[str], out_dir: str) -> list[str]:
+    """One unified diff per release, the strict patch against its decode module
+    (impl.sglang.patch.strict_diff): the paths written."""
+    from impl.sglang.patch import DIFF_TARGET, strict_diff
+    from impl.sglang.wheels import open_wheel
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConformInputError(f"--emit-diff: {out} is not a directory")
+    texts = {v: strict_diff(v, open_wheel(v).member(DIFF_TARGET)) for v in versions}
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for version, text in texts.items():
+        path = out / f"sglang-{version}-strict.diff"
+        path.write_text(text, encoding="utf-8")
+        paths.append(str(path))
+    return paths
+
+
+def check_source(source_dir: str, versions: list[str], patch: str | None) -> None:
+    """``--source``: one release, a tree holding its decode module, patched exactly when
+    ``--patch`` asks for it (the harness does not patch a patched source again)."""
+    from impl.sglang.patch import DIFF_MARK, DIFF_TARGET
+    if len(versions) != 1:
+        raise ConformInputError("--source names one release's source: give one --sglang release")
+    target = Path(source_dir) / DIFF_TARGET
+    if not target.is_file():
+        raise ConformInputError(f"--source: {target} is not a file")
+    try:
+        patched = DIFF_MARK in target.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConformInputError(f"--source: cannot read {target}: {exc}") from None
+    if patch and not patched:
+        raise ConformInputError(f"--source: {target} does not carry the strict patch "
+                                f"(apply the diff of `pdgate conform --emit-diff`)")
+    if patched and not patch:
+        raise ConformInputError(f"--source: {target} carries the strict patch: add --patch strict")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -201,6 +325,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-release", action="store_true",
                    help="with --patch: release held slots per rank, as strict's spec does, "
                         "instead of agreed across ranks at each step (install()'s default)")
+    p.add_argument("--reorder-rooms", action="store_true",
+                   help="with --patch: move each trace's room writes after their payloads, as "
+                        "strict's prefill writes them (A1); those rows say `rewritten`")
+    p.add_argument("--source", metavar="DIR",
+                   help="one release's modules read from DIR (holding sglang/...) instead of "
+                        "its wheel, e.g. with the --emit-diff patch applied")
+    p.add_argument("--emit-diff", metavar="DIR",
+                   help="write the strict patch as DIR/sglang-V-strict.diff per release "
+                        "(`patch -p1` in a tree holding sglang/) and run nothing")
     p.add_argument("--json", metavar="PATH", help="write one object per (release, trace)")
     p.add_argument("--collective-timeout", type=float, default=3.0, metavar="S",
                    help="timeout of every collective, seconds (default 3)")
@@ -231,7 +364,15 @@ def run(args: argparse.Namespace) -> int:
             raise ConformInputError("--local-release needs --patch strict")
         if not 0 < args.collective_timeout <= 600:
             raise ConformInputError("--collective-timeout must be in (0, 600] seconds")
+        if args.reorder_rooms and not args.patch:
+            raise ConformInputError("--reorder-rooms needs --patch strict")
         versions = _versions(args.sglang)
+        if args.emit_diff:
+            for path in emit_diffs(versions, args.emit_diff):
+                print(path)
+            return 0
+        if args.source:
+            check_source(args.source, versions, args.patch)
         if args.json:
             Path(args.json).open("a", encoding="utf-8").close()     # writable before any work
         sources = [read_source(t) for t in args.trace] if args.trace else \
@@ -244,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
         if args.patch else "own"
     try:
         rows = check(versions, sources, deferred=args.deferred, mode=mode, patch=args.patch,
-                     timeout_s=args.collective_timeout)
+                     timeout_s=args.collective_timeout, reorder_rooms=args.reorder_rooms,
+                     source_dir=args.source)
     except Exception as exc:              # a rank died or the deadline passed: one line
         print(f"{NAME}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

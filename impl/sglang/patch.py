@@ -119,8 +119,16 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
     import torch
     from impl.decode.gate import is_fake_transfer, room_column_of
     from model.spec.variants import get_variant
-    variant = get_variant("strict", timeout_steps)
+    variants = {timeout_steps: get_variant("strict", timeout_steps)}
     success, failed = 4, 0
+
+    def variant() -> Any:
+        """strict with the release's current ``timeout_steps`` (conform sets it per trace
+        on a release whose patched source installed the patch at import)."""
+        steps = getattr(release, "timeout_steps", timeout_steps)
+        if steps not in variants:
+            variants[steps] = get_variant("strict", steps)
+        return variants[steps]
 
     def context(decode_reqs: Any, metadata_buffers: Any) -> tuple:
         queue = release.current_queue
@@ -131,7 +139,7 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
         return decode_reqs, metadata_buffers, ages
 
     def options(ages: Any) -> dict:
-        return {"variant": variant, "ages": ages, "timeout_s": release.collective_timeout_s,
+        return {"variant": variant(), "ages": ages, "timeout_s": release.collective_timeout_s,
                 "transfer_backend": release.server_args.disaggregation_transfer_backend,
                 "trace": _note(release)}
 
@@ -192,6 +200,7 @@ def install_into(release: Any, timeout_steps: int | None = None,
     import torch.distributed as dist
     release.dist = dist
     release.current_queue = None
+    release.timeout_steps, release.agreed_release = timeout_steps, agreed_release
     poll, staged = _strict_poll(release, timeout_steps)
     for module in (release.decode, release.utils):
         for name, fn in (("poll_and_all_reduce", poll),
@@ -205,7 +214,7 @@ def install_into(release: Any, timeout_steps: int | None = None,
         if not hasattr(self, "_pdgate_ages"):
             self._pdgate_ages = {}
             self._pdgate_slots = _Quarantine(self.req_to_metadata_buffer_idx_allocator,
-                                             self.metadata_buffers, agreed_release)
+                                             self.metadata_buffers, release.agreed_release)
         slots = self._pdgate_slots
         slots.release_fenced()
         slots.receiver_of = {d.metadata_buffer_index: d.kv_receiver for d in self.queue}
@@ -252,6 +261,16 @@ def install_into(release: Any, timeout_steps: int | None = None,
         mixin.process_decode_queue = process_decode_queue
     cls._pdgate_strict = True
 
+def _live_release(decode: Any, utils: Any, transfer_backend: str,
+                  collective_timeout_s: float) -> Any:
+    """What ``install_into`` needs of a release installed in this process."""
+    import types
+    # the backend decides whether a request without bootstrap host is a fake transfer
+    backend = types.SimpleNamespace(disaggregation_transfer_backend=transfer_backend)
+    return types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
+                                 collective_timeout_s=collective_timeout_s, observer=None)
+
+
 def install(release: str, *, timeout_steps: int | None = None,
             collective_timeout_s: float = 30.0, agreed_release: bool = True,
             transfer_backend: str = "mooncake") -> None:
@@ -260,15 +279,63 @@ def install(release: str, *, timeout_steps: int | None = None,
     release other than the one installed (the patch is checked per release by ``pdgate
     conform --patch strict``)."""
     import importlib
-    import types
     sglang = importlib.import_module("sglang")
     installed = getattr(sglang, "__version__", None)
     if installed != release:
         raise RuntimeError(f"strict patch for SGLang {release}, but {installed} is installed")
     decode = importlib.import_module("sglang.srt.disaggregation.decode")
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
-    # the backend decides whether a request without bootstrap host is a fake transfer
-    backend = types.SimpleNamespace(disaggregation_transfer_backend=transfer_backend)
-    install_into(types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
-                                       collective_timeout_s=collective_timeout_s, observer=None),
+    install_into(_live_release(decode, utils, transfer_backend, collective_timeout_s),
                  timeout_steps, agreed_release)
+
+
+# ---------------------------------------------------------------------------------------
+# The strict patch as a unified diff against a release's source: the diff appends a call
+# of ``install_at_import`` to the release's decode module, so the patched source runs
+# this module's code, not a second copy of it.
+
+DIFF_TARGET = "sglang/srt/disaggregation/decode.py"
+DIFF_MARK = "# pdgate: the strict patch"
+
+
+def strict_block(release: str) -> str:
+    """The lines the strict diff appends to ``release``'s decode module."""
+    return (f"\n\n{DIFF_MARK} (impl/sglang/patch.py, written by `pdgate conform --emit-diff`):\n"
+            f"# this queue with strict's rules, installed as this module finishes importing.\n"
+            f"import impl.sglang.patch as _pdgate_patch  # noqa: E402\n\n"
+            f"_pdgate_strict = _pdgate_patch.install_at_import({release!r}, __name__)\n")
+
+
+def strict_diff(release: str, original: str) -> str:
+    """The strict patch for ``release`` as a unified diff (``patch -p1`` in the directory
+    holding ``sglang/``) against ``original``, the text of its decode module."""
+    import difflib
+    if DIFF_MARK in original:
+        raise ValueError(f"{DIFF_TARGET} of SGLang {release} already carries the strict patch")
+    patched = original + ("" if original.endswith("\n") or not original else "\n") \
+        + strict_block(release)
+    lines = difflib.unified_diff(original.splitlines(keepends=True),
+                                 patched.splitlines(keepends=True),
+                                 f"a/{DIFF_TARGET}", f"b/{DIFF_TARGET}")
+    # a last line without its newline: the marker patch(1) expects after it
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                   for line in lines)
+
+
+def install_at_import(release: str, module: str, *, timeout_steps: int | None = None,
+                      collective_timeout_s: float = 30.0, agreed_release: bool = True,
+                      transfer_backend: str = "mooncake") -> Any:
+    """The strict patch installed by the patched source itself (the diff's call, at the
+    end of ``module``, the decode module being imported); returns what ``install_into``
+    patched (conform points its observer and timeouts there). Refuses a diff applied to
+    another installed release."""
+    import importlib
+    import sys
+    installed = getattr(sys.modules.get(module.split(".")[0]), "__version__", None)
+    if isinstance(installed, str) and installed != release:
+        raise RuntimeError(f"strict diff for SGLang {release} applied to {installed}")
+    decode = sys.modules[module]
+    utils = importlib.import_module(module.rsplit(".", 1)[0] + ".utils")
+    target = _live_release(decode, utils, transfer_backend, collective_timeout_s)
+    install_into(target, timeout_steps, agreed_release)
+    return target

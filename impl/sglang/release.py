@@ -57,13 +57,15 @@ class Release:
     parallel: list          # [fakes.Parallel]: get_parallel() reads it when a queue is built
     collective_timeout_s: float = 3.0       # pdgate's swapped-in collectives wait this long
     observer: Any = None                    # the current SGLangRank's ObservingDist
+    strict: Any = None      # what a patched source's own install_at_import patched
 
 
-def load_release(version: str, *, deferred: bool = False) -> Release:
+def load_release(version: str, *, deferred: bool = False, source: str | None = None) -> Release:
     """Execute ``version``'s decode modules (MissingRelease if not cached). Replaces any
     release loaded before in this process. ``deferred``: SGLang's deferred KV release
-    (#35049, 0.5.19+) on or off (its environment switch)."""
-    wheel = open_wheel(version)
+    (#35049, 0.5.19+) on or off (its environment switch). ``source``: a source tree whose
+    modules replace the wheel's (the release with a diff applied)."""
+    wheel = open_wheel(version, source)
     os.environ[DEFERRED_ENV] = "true" if deferred else "false"
     server_args, parallel = fakes.ServerArgs(), [None]
     recorder = stubs.install(wheel.source_of, fakes.provided(server_args, parallel))
@@ -182,6 +184,8 @@ class SGLangRank:
         self.observer = ObservingDist()
         u.dist = self.observer
         self.release.observer = self.observer
+        if self.release.strict is not None:
+            self.release.strict.observer = self.observer
         for name in ("poll_and_all_reduce", "poll_and_all_reduce_with_staging"):
             fn = getattr(d, name, None)
             if fn is not None and not getattr(fn, "_pdgate_observed", False):

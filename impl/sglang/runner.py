@@ -43,7 +43,14 @@ class Job:
     mode: str               # one of MODES
     deferred: bool          # SGLang's deferred KV release switched on
     script: Script          # header already names the variant the job validates against
-    note: str = ""          # why the script was cut short, if it was
+    note: str = ""          # how the script was fitted to the variant, if it was
+    source: str | None = None   # a source tree replacing the wheel's modules (patched)
+
+    @property
+    def load_key(self) -> tuple:
+        """Jobs with one key share a loaded release (the patch's timeout is per trace)."""
+        steps = self.script.header.timeout_steps if self.mode in ("patch", "patch-local") else None
+        return (self.version, self.mode, self.deferred, self.source or "", steps or 0)
 
 
 @dataclass
@@ -57,54 +64,90 @@ class JobResult:
     reads: list[str]                     # what the release read from the stub layer
 
 
-def order_rooms_after_payloads(events: Sequence[Any]) -> tuple[list, bool]:
+def rooms_before_payloads(events: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """(event index, rank, request) of every room that lands before its payload on that
+    rank: a prefill that does not write the room after the payload completed (A1)."""
+    paid: set[tuple[int, int]] = set()
+    early = []
+    for i, ev in enumerate(events):
+        if isinstance(ev, Land) and ev.field == PAYLOAD:
+            paid.add((ev.rank, ev.req))
+        elif isinstance(ev, Land) and (ev.rank, ev.req) not in paid:
+            early.append((i, ev.rank, ev.req))
+    return early
+
+
+def order_rooms_after_payloads(events: Sequence[Any]) -> tuple[list, list[str]]:
     """The events as a prefill that writes the room only after its payload write completed
     would produce them (assumption A1, strict's prefill): a room that lands before its
-    payload is delayed to just after it, and never lands if the payload never does."""
-    out, held, moved = [], {}, False
-    landed: set[tuple[int, int]] = set()
-    for ev in events:
-        if isinstance(ev, Land) and ev.field == ROOM and (ev.rank, ev.req) not in landed:
-            held[(ev.rank, ev.req)] = ev
-            moved = True
+    payload is delayed to just after it, and never lands if the payload never does.
+    Returns the events and what was moved, one line per room."""
+    out: list = []
+    held: dict[tuple[int, int], tuple[int, Any]] = {}
+    moves = []
+    early = {i for i, _, _ in rooms_before_payloads(events)}
+    for i, ev in enumerate(events):
+        if i in early:
+            held[(ev.rank, ev.req)] = (i, ev)
             continue
         out.append(ev)
-        if isinstance(ev, Land) and ev.field == PAYLOAD:
-            landed.add((ev.rank, ev.req))
-            room = held.pop((ev.rank, ev.req), None)
-            if room is not None:
-                out.append(room)
-    return out, moved
+        if isinstance(ev, Land) and ev.field == PAYLOAD and (ev.rank, ev.req) in held:
+            at, room = held.pop((ev.rank, ev.req))
+            out.append(room)
+            moves.append(f"room of request {ev.req} on rank {ev.rank} moved from event {at} "
+                         f"to after its payload (event {i})")
+    moves += [f"room of request {req} on rank {rank} (event {at}) dropped: its payload never "
+              f"lands" for (rank, req), (at, _) in held.items()]
+    return out, moves
 
 
-def fit_script(script: Script, variant: Variant) -> tuple[Script, str]:
+@dataclass(frozen=True)
+class Fitted:
+    """A source script fitted to the variant a job validates against, and how."""
+    script: Script
+    rewritten: tuple[str, ...] = ()     # events changed (the rows say ``rewritten``)
+    cut: str = ""                       # where the script was cut and why (``cut``)
+    extended: str = ""                  # a step added after the trace's end
+
+    @property
+    def note(self) -> str:
+        return "; ".join([*self.rewritten, *(x for x in (self.cut, self.extended) if x)])
+
+
+def fit(script: Script, variant: Variant, reorder_rooms: bool = False) -> Fitted:
     """The script with its header naming ``variant``, cut before the first event that
     ``variant`` does not allow (a source trace of another variant can leave a request
-    earlier or later) and after a step that hangs. The spec decides both. For a variant
-    whose prefill writes the room after the payload, the room writes are ordered so
-    first. A script that ends with the queues no longer identical gets one more step:
-    the next MIN, where the divergence turns into a mismatched collective (#26394)."""
+    earlier or later, or find no free slot) and after a step that hangs. The spec decides
+    both. ``reorder_rooms``: the room writes moved after their payloads first (what
+    strict's prefill would have written, A1). A script that ends with the queues no
+    longer identical gets one more step: the next MIN, where the divergence turns into a
+    mismatched collective (#26394)."""
     h = replace(script.header, variant=variant.name, timeout_steps=variant.timeout_steps)
-    events, notes = list(script.events), []
-    if variant.room_after_payload:
-        events, moved = order_rooms_after_payloads(events)
-        if moved:
-            notes.append("room writes after their payload (strict's prefill, A1)")
+    events: list = list(script.events)
+    moves: list[str] = []
+    if reorder_rooms:
+        events, moves = order_rooms_after_payloads(events)
     state = initial_state(variant, h.ranks, h.slots)
-    kept = []
+    kept, cut, extended = [], "", ""
     for i, ev in enumerate(events):
         try:
             apply(state, ev, detail=False)
         except EventNotEnabled as exc:
-            notes.append(f"cut at event {i} ({variant.name} does not allow it: {exc})")
+            cut = f"cut at event {i} of {len(events)} ({variant.name} does not allow it: {exc})"
             break
         kept.append(ev)
         if state.hung is not None:
             break
     if state.hung is None and check_invariants(state, ["queues_identical"]):
         kept.append(Step())
-        notes.append("one step added after the queues diverged")
-    return Script(h, tuple(kept)), "; ".join(notes)
+        extended = "one step added after the queues diverged"
+    return Fitted(Script(h, tuple(kept)), tuple(moves), cut, extended)
+
+
+def fit_script(script: Script, variant: Variant) -> tuple[Script, str]:
+    """``fit`` as (script, note), the source's events as they are."""
+    fitted = fit(script, variant)
+    return fitted.script, fitted.note
 
 
 def _group(timeout_s: float) -> Any:
@@ -120,14 +163,21 @@ def _referee(length: int, failed: bool) -> list[tuple[int, bool]]:
 
 def _load(job: Job, timeout_s: float) -> Any:
     from impl.sglang.release import load_release
-    release = load_release(job.version, deferred=job.deferred)
+    release = load_release(job.version, deferred=job.deferred, source=job.source)
     release.collective_timeout_s = timeout_s
+    steps = job.script.header.timeout_steps if job.script is not None else None
     if job.mode == "swap":
         from impl.sglang.patch import swap_dropins
         swap_dropins(release)
     elif job.mode in ("patch", "patch-local"):
-        from impl.sglang.patch import install_into
-        install_into(release, agreed_release=job.mode == "patch")
+        strict = getattr(release.decode, "_pdgate_strict", None)
+        if strict is None:                   # the monkey-patch, as install() deploys it
+            from impl.sglang.patch import install_into
+            install_into(release, steps, agreed_release=job.mode == "patch")
+        else:                                # the source carries the strict diff
+            strict.collective_timeout_s, strict.server_args = timeout_s, release.server_args
+            strict.timeout_steps, strict.agreed_release = steps, job.mode == "patch"
+            release.strict = strict
     return release
 
 
@@ -179,8 +229,8 @@ def _conform_rank(rank: int, world: int, jobs: list[Job], timeout_s: float) -> l
     group = _group(timeout_s)
     release, key, out = None, None, []
     for job in jobs:
-        if (job.version, job.mode, job.deferred) != key:
-            release, key = _load(job, timeout_s), (job.version, job.mode, job.deferred)
+        if job.load_key != key:
+            release, key = _load(job, timeout_s), job.load_key
         result, broken = _run_job(release, job, rank, world, group)
         out.append(result)
         if broken:
@@ -198,7 +248,7 @@ def run_jobs(jobs: Sequence[Job], *, timeout_s: float = 3.0, deadline_s: float |
     ranks = jobs[0].script.header.ranks
     if any(j.script.header.ranks != ranks for j in jobs):
         raise ValueError("run_jobs needs jobs of one rank count")
-    order = sorted(jobs, key=lambda j: (j.version, j.mode, j.deferred))   # one load each
+    order = sorted(jobs, key=lambda j: j.load_key)                   # one load each
     deadline = deadline_s if deadline_s is not None else 120.0 + 10.0 * len(jobs)
     outcomes = run_ranks(_conform_rank, ranks, (order, timeout_s), deadline_s=deadline,
                          group_timeout_s=timeout_s + 20.0)

@@ -58,14 +58,30 @@ class Wheel:
                                  f"delete it and run `bash scripts/install.sh`") from None
         self._names = set(self._zip.namelist())
 
+    overlay: Path | None = None      # a source tree read before the wheel (a patched copy)
+
     def source_of(self, module: str) -> tuple[str, bool]:
-        """(source text, is_package) of ``module``; MissingRelease if the wheel lacks it."""
-        base = module.replace(".", "/")
-        for name, is_pkg in ((f"{base}.py", False), (f"{base}/__init__.py", True)):
+        """(source text, is_package) of ``module``, from ``overlay`` where that tree has
+        the file, else from the wheel; MissingRelease if neither has it."""
+        for name, is_pkg in module_files(module):
+            if self.overlay is not None and (self.overlay / name).is_file():
+                return (self.overlay / name).read_text(encoding="utf-8"), is_pkg
             if name in self._names:
                 return self._zip.read(name).decode("utf-8"), is_pkg
         raise MissingRelease(f"SGLang {self.version}: {module} is not in {self.path.name}")
 
+    def member(self, name: str) -> str:
+        """The text of one file of the wheel (``sglang/srt/...py``)."""
+        return self._zip.read(name).decode("utf-8")
 
-def open_wheel(version: str) -> Wheel:
-    return Wheel(version, wheel_path(version))
+
+def module_files(module: str) -> tuple[tuple[str, bool], ...]:
+    """Where ``module``'s source lives in a wheel or source tree: (path, is_package)."""
+    base = module.replace(".", "/")
+    return ((f"{base}.py", False), (f"{base}/__init__.py", True))
+
+
+def open_wheel(version: str, overlay: str | Path | None = None) -> Wheel:
+    """``overlay``: a source tree (e.g. the release's files with the strict diff applied)
+    whose modules replace the wheel's."""
+    return Wheel(version, wheel_path(version), None if overlay is None else Path(overlay))
