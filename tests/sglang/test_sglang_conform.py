@@ -1,18 +1,25 @@
 """pdgate conform: every pinned SGLang release's own decode code on the counterexamples
-and lassos `pdgate prove` exports for the ungated and gate variants (1 and 2 ranks), as
-shipped, with pdgate's drop-ins swapped in, and with the strict patch; 0.5.21 and 0.5.23
+and lassos `pdgate prove` exports for the ungated and gate variants (1 and 2 ranks) and
+the stale-room trace, as shipped, with pdgate's drop-ins swapped in, with the strict
+patch (monkey-patched, and as a diff applied to the release's source); 0.5.21 and 0.5.23
 with deferred release on the deferred variant's counterexamples. The simulator traces
 and the other variants' counterexamples run in `pdgate conform`'s default set and in
 `pdgate bench conform`, not here (CI time).
 
-Expected-verdict table (protocol.md, issue 10):
-- 0.5.12 reproduces #26394: the queues diverge, and the next MIN mismatches (a rank
-  times out in a collective its peer never joins, reported as the spec's hang);
-- every gated release reproduces the stale/late-room ``outcomes_agree`` break and the
-  room-before-payload ``no_corruption`` break, and holds a genuine room 0 forever;
-- 0.5.23 with deferred release matches ``deferred`` (and reproduces its breaks);
-- ``--swap`` and ``--patch strict`` never differ from the spec, and under the patch
-  those breaks are gone.
+Expected-verdict table (protocol.md, issues 10 and 20). Each row is reproduced by its
+command (traces from `pdgate prove --traces out/traces`; stale-room.jsonl is in the
+default set) and has a sibling where the same machinery says ``differs``:
+
+| rows | command | sibling that differs |
+|---|---|---|
+| 0.5.12 reproduces #26394 (queues diverge, the next MIN times out) | `pdgate conform --sglang 0.5.12 out/traces/ungated.cex-queues_identical.jsonl` | 0.5.12 checked as `gate` |
+| every gated release reproduces the late-room `outcomes_agree`, room-before-payload `no_corruption` and room-0 `bounded_wait` breaks, and matches ungated's queues_identical trace | `pdgate conform --sglang 0.5.13,0.5.18,0.5.19,0.5.21,0.5.23 out/traces/gate.cex-*.jsonl` | 0.5.13 checked as `ungated` |
+| every gated release matches the stale-room trace (it zeroes the room on free) | `pdgate conform --sglang pinned` (row stale-room.jsonl) | 0.5.13 and 0.5.23 with their zero-on-free removed: `--source MUTATED` |
+| `--swap`: the release's own verdicts, never differs | `pdgate conform --sglang pinned --swap` | as the own rows |
+| `--patch strict`: never differs; no `outcomes_agree`, `bounded_wait`, `queues_identical` left; `no_corruption` only where the prefill writes the room first (checked against `strict-no-room-order`: a decode-side patch cannot reorder the prefill's writes); a trace strict refuses an event of is `cut`, never `matches` | `pdgate conform --sglang pinned --patch strict [--local-release]` | the patched source checked as `gate` |
+| `--patch strict --reorder-rooms`: all `strict`, no break left, moved rows `rewritten` | `pdgate conform --sglang pinned --patch strict --reorder-rooms` | as above |
+| the strict diff: `patch -p1` applies to each pinned release, its source gives the monkey-patch's verdicts | `pdgate conform --sglang V --emit-diff D; patch -p1 < D/sglang-V-strict.diff; pdgate conform --sglang V --patch strict --source .` | the patched source checked as `gate` |
+| 0.5.23 with deferred release matches `deferred` (and reproduces its breaks), 0.5.21 `deferred-local` | `pdgate conform --sglang 0.5.21,0.5.23 --deferred` | 0.5.13 checked as `ungated` |
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import sys
 import pytest
 
 from impl.sglang import conform
-from impl.sglang.runner import Job, fit_script, run_jobs
+from impl.sglang.runner import Job, fit, fit_script, run_jobs
 from impl.sglang.wheels import PINNED
 from model.spec.variants import get_variant
 
@@ -46,9 +53,26 @@ def all_sources(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sources(all_sources):
-    """The ungated and gate counterexamples and lassos (the expected-verdict table)."""
-    return {k: v for k, v in all_sources.items() if not k.startswith("deferred")}
+def sources(all_sources, tmp_path_factory):
+    """The ungated and gate counterexamples and lassos, and the stale-room trace (the
+    expected-verdict table)."""
+    stale = tmp_path_factory.mktemp("stale") / conform.STALE_ROOM
+    conform.write_stale_room(str(stale))
+    return {**{k: v for k, v in all_sources.items() if not k.startswith("deferred")},
+            conform.STALE_ROOM: conform.read_source(str(stale))}
+
+
+def _tree(root, version: str, edits: dict[str, tuple[str, str]]):
+    """A source tree of ``version``'s modules in ``edits`` (wheel path -> (old, new)),
+    each ``old`` replaced once (it must occur exactly once: the edit cannot miss)."""
+    from impl.sglang.wheels import open_wheel
+    wheel = open_wheel(version)
+    for name, (old, new) in edits.items():
+        text = wheel.member(name)
+        assert text.count(old) == 1, (version, name, old)
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text.replace(old, new))
+    return root
 
 
 def _rows(rows: list[dict]) -> dict[tuple[str, str], dict]:
@@ -81,6 +105,27 @@ def test_every_gated_release_reproduces_the_gate_breaks(own, release):
     assert (zero["verdict"], zero["invariant"]) == ("reproduces", "bounded_wait")
     # the gate keeps the queues identical where 0.5.12 diverged
     assert own[(release, "ungated.cex-queues_identical.jsonl")]["verdict"] == "matches"
+    # the room is zeroed on free: a reused slot's gate holds until its own room lands
+    assert own[(release, conform.STALE_ROOM)]["verdict"] == "matches"
+
+
+# zero-on-free as each release writes it: 0.5.13's pop loop, 0.5.23's clear_slot
+ZERO_ON_FREE = {
+    "0.5.13": {"sglang/srt/disaggregation/decode.py": (
+        "            self.metadata_buffers.bootstrap_room[idx] = 0\n", "            pass\n")},
+    "0.5.23": {"sglang/srt/disaggregation/utils.py": (
+        "        self.bootstrap_room[idx] = 0\n", "        pass\n")},
+}
+
+
+@pytest.mark.parametrize("release", sorted(ZERO_ON_FREE))
+def test_a_release_without_zero_on_free_differs_on_the_stale_room(sources, tmp_path, release):
+    """The stale-room trace's sibling: the same release with its zero-on-free removed
+    lets a reused slot's stale room through the gate on one rank."""
+    tree = _tree(tmp_path, release, ZERO_ON_FREE[release])
+    [row] = conform.check([release], [sources[conform.STALE_ROOM]], source_dir=str(tree))
+    assert (row["variant"], row["verdict"]) == ("gate", "differs"), row
+    assert "rank 0 gated [4] in trace, spec gives [3]" in row["detail"]
 
 
 def test_no_release_differs_from_its_variant(own):
@@ -96,13 +141,85 @@ def test_swapped_in_dropins_match_the_spec_in_every_release(sources, own):
         assert (row["verdict"], row["invariant"]) == (own[key]["verdict"], own[key]["invariant"])
 
 
+BREAKS = ("outcomes_agree", "bounded_wait", "no_corruption", "queues_identical")
+
+
+def _early_room(src) -> bool:
+    from impl.sglang.runner import rooms_before_payloads
+    return bool(rooms_before_payloads(src.script.events))
+
+
+@pytest.fixture(scope="module")
+def patched(sources):
+    return {mode: conform.check(list(PINNED), list(sources.values()), mode=mode, patch="strict")
+            for mode in ("patch", "patch-local")}
+
+
 @pytest.mark.parametrize("mode", ["patch", "patch-local"])
-def test_strict_patch_validates_against_strict_and_removes_the_breaks(sources, mode):
-    rows = conform.check(list(PINNED), list(sources.values()), mode=mode, patch="strict")
-    assert {r["variant"] for r in rows} == {"strict"}
+def test_strict_patch_runs_the_traces_unmodified_and_removes_the_breaks(sources, patched, mode):
+    rows = patched[mode]
     assert not [r for r in rows if r["verdict"] == "differs"], rows
-    assert not [r for r in rows if r["invariant"] in ("outcomes_agree", "bounded_wait",
-                                                      "no_corruption", "queues_identical")]
+    for row in rows:
+        src = sources[row["trace"]]
+        # a decode-side patch cannot reorder the prefill's writes: such a trace runs as it
+        # is, against strict without the room order, and only there no_corruption stays
+        early = _early_room(src)
+        assert row["variant"] == ("strict-no-room-order" if early else "strict"), row
+        assert row["invariant"] in ((None, "no_corruption") if early else (None,)), row
+        assert "moved" not in row.get("note", "")
+        # a trace strict refuses an event of is cut, and says so
+        assert (row["verdict"] == "cut") == ("cut at event" in row.get("note", "")), row
+        assert row["verdict"] in ("matches", "reproduces", "cut")
+    early = [r for r in rows if r["trace"] == "gate.cex-no_corruption.jsonl"]
+    assert {(r["verdict"], r["invariant"]) for r in early} == {("reproduces", "no_corruption")}
+    assert {r["verdict"] for r in rows if r["trace"] == "gate.cex-outcomes_agree.jsonl"} == {"cut"}
+
+
+def test_strict_patch_with_reordered_rooms_says_rewritten(sources):
+    """--reorder-rooms: strict's prefill order imposed on the traces; every break is gone
+    and a moved trace reads ``rewritten`` (or ``cut``), never ``matches``."""
+    rows = conform.check(["0.5.13", "0.5.23"], list(sources.values()), mode="patch",
+                         patch="strict", reorder_rooms=True)
+    assert {r["variant"] for r in rows} == {"strict"}
+    assert not [r for r in rows if r["verdict"] == "differs" or r["invariant"] in BREAKS], rows
+    for row in rows:
+        moved = _early_room(sources[row["trace"]])
+        if moved:
+            assert row["verdict"] in ("rewritten", "cut") and row["changes"], row
+            assert any("room of request" in c for c in row["changes"])
+        else:
+            assert row["verdict"] != "rewritten", row
+    assert {r["verdict"] for r in rows if r["trace"] == "gate.cex-no_corruption.jsonl"} == \
+        {"rewritten"}
+
+
+def test_the_patch_runs_with_the_traces_own_timeout(sources):
+    """The patch's timeout is a decode-side setting: a trace that names one runs with it
+    (strict's default 4 only where it names none), and the run shows it: a request the
+    gate holds forever is failed after that many held steps."""
+    from dataclasses import replace
+
+    from model.spec.validate import validate
+    src = sources["gate.liveness-bounded_wait.jsonl"]
+    assert conform.patch_variant("strict", src, False)[0].timeout_steps == 4
+    jobs = []
+    for steps in (1, 3):
+        script = replace(src.script, header=replace(src.script.header, timeout_steps=steps))
+        variant, why = conform.patch_variant("strict", conform.Source(src.name, script, None,
+                                                                      None), False)
+        assert (variant.name, variant.timeout_steps, why) == ("strict", steps, "")
+        jobs.append(Job("0.5.23", "patch", False, fit(script, variant).script))
+    results = run_jobs(jobs)
+    assert [r.validation.ok for r in results] == [True, True], [r.validation.message for r in results]
+
+    def first_pop(text: str) -> int:
+        steps = [json.loads(line) for line in text.splitlines() if '"kind":"step"' in line]
+        return next(s["step"] for s in steps if s["ranks"][0]["popped"])
+    assert first_pop(results[0].trace) < first_pop(results[1].trace)
+    # sibling: the run with timeout 3 checked as if the patch had timeout 1 differs
+    assert '"timeout_steps":3' in results[1].trace
+    relabelled = results[1].trace.replace('"timeout_steps":3', '"timeout_steps":1', 1)
+    assert not validate(relabelled.splitlines()).ok
 
 
 def test_the_same_machinery_says_differs_for_the_wrong_variant(sources):
