@@ -235,14 +235,17 @@ def patch_variant(patch: str, source: Source, reorder_rooms: bool) -> tuple[Any,
 
 def check(versions: list[str], sources: list[Source], *, deferred: bool = False,
           mode: str = "own", patch: str | None = None, timeout_s: float = 3.0,
-          reorder_rooms: bool = False, source_dir: str | None = None) -> list[dict]:
+          reorder_rooms: bool = False, source_dir: str | None = None,
+          variant: str | None = None) -> list[dict]:
     """Run every release on every trace; one row per (release, trace). ``reorder_rooms``
     (with ``patch``): room writes moved after their payloads (rows say ``rewritten``);
-    ``source_dir``: the release's modules read from that tree (e.g. patched)."""
+    ``source_dir``: the release's modules read from that tree (e.g. patched);
+    ``variant``: check against it instead of the one that models the release (a wrong
+    one must differ: the checks' siblings)."""
     from impl.sglang.runner import Job, fit, run_jobs
     rows, jobs, job_rows = [], [], []
     for version in versions:
-        vname = release_variant(version, deferred, patch)
+        vname = variant or release_variant(version, deferred, patch)
         for src in sources:
             row = {"release": version, "mode": mode, "trace": src.name, "variant": vname,
                    "deferred": deferred}
@@ -251,10 +254,10 @@ def check(versions: list[str], sources: list[Source], *, deferred: bool = False,
                 row.update(verdict="not checked", invariant=None, step=None,
                            detail=f"variant {vname} is not in this spec")
                 continue
-            variant, why = patch_variant(patch, src, reorder_rooms) if patch else \
-                (get_variant(vname), "")
-            fitted = fit(src.script, variant, reorder_rooms=bool(patch) and reorder_rooms)
-            row["variant"] = variant.name
+            checked, why = patch_variant(patch, src, reorder_rooms) if patch and not variant \
+                else (get_variant(vname), "")
+            fitted = fit(src.script, checked, reorder_rooms=bool(patch) and reorder_rooms)
+            row["variant"] = checked.name
             note = "; ".join(x for x in (why, fitted.note) if x)
             if note:
                 row["note"] = note
@@ -334,6 +337,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emit-diff", metavar="DIR",
                    help="write the strict patch as DIR/sglang-V-strict.diff per release "
                         "(`patch -p1` in a tree holding sglang/) and run nothing")
+    p.add_argument("--variant", metavar="V",
+                   help="check against variant V instead of the one that models each release "
+                        "(a wrong one must differ)")
     p.add_argument("--json", metavar="PATH", help="write one object per (release, trace)")
     p.add_argument("--collective-timeout", type=float, default=3.0, metavar="S",
                    help="timeout of every collective, seconds (default 3)")
@@ -366,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConformInputError("--collective-timeout must be in (0, 600] seconds")
         if args.reorder_rooms and not args.patch:
             raise ConformInputError("--reorder-rooms needs --patch strict")
+        if args.variant:
+            get_variant(args.variant)              # unknown: one line naming the known ones
         versions = _versions(args.sglang)
         if args.emit_diff:
             for path in emit_diffs(versions, args.emit_diff):
@@ -386,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rows = check(versions, sources, deferred=args.deferred, mode=mode, patch=args.patch,
                      timeout_s=args.collective_timeout, reorder_rooms=args.reorder_rooms,
-                     source_dir=args.source)
+                     source_dir=args.source, variant=args.variant)
     except Exception as exc:              # a rank died or the deadline passed: one line
         print(f"{NAME}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -10,16 +10,16 @@ Expected-verdict table (protocol.md, issues 10 and 20). Each row is reproduced b
 command (traces from `pdgate prove --traces out/traces`; stale-room.jsonl is in the
 default set) and has a sibling where the same machinery says ``differs``:
 
-| rows | command | sibling that differs |
+| rows | command | sibling that differs (same machinery) |
 |---|---|---|
-| 0.5.12 reproduces #26394 (queues diverge, the next MIN times out) | `pdgate conform --sglang 0.5.12 out/traces/ungated.cex-queues_identical.jsonl` | 0.5.12 checked as `gate` |
-| every gated release reproduces the late-room `outcomes_agree`, room-before-payload `no_corruption` and room-0 `bounded_wait` breaks, and matches ungated's queues_identical trace | `pdgate conform --sglang 0.5.13,0.5.18,0.5.19,0.5.21,0.5.23 out/traces/gate.cex-*.jsonl` | 0.5.13 checked as `ungated` |
-| every gated release matches the stale-room trace (it zeroes the room on free) | `pdgate conform --sglang pinned` (row stale-room.jsonl) | 0.5.13 and 0.5.23 with their zero-on-free removed: `--source MUTATED` |
+| 0.5.12 reproduces #26394 (the queues diverge, the next MIN times out) | `pdgate conform --sglang 0.5.12 out/traces/ungated.cex-queues_identical.jsonl` | `... --variant gate out/traces/gate.liveness-bounded_wait.jsonl` |
+| every gated release reproduces the late-room `outcomes_agree`, room-before-payload `no_corruption` and room-0 `bounded_wait` breaks, and matches ungated's queues_identical trace | `pdgate conform --sglang 0.5.13,0.5.18,0.5.19,0.5.21,0.5.23 out/traces/gate.cex-*.jsonl out/traces/gate.liveness-bounded_wait_room=0.jsonl out/traces/ungated.cex-queues_identical.jsonl` | `pdgate conform --sglang 0.5.13 --variant ungated out/traces/gate.liveness-bounded_wait.jsonl` |
+| every gated release matches the stale-room trace (it zeroes the room on free) | `pdgate conform --sglang pinned` (row stale-room.jsonl) | `--source T` where T holds 0.5.13's decode.py (or 0.5.23's utils.py) with the `bootstrap_room[idx] = 0` of its free path replaced by `pass` |
 | `--swap`: the release's own verdicts, never differs | `pdgate conform --sglang pinned --swap` | as the own rows |
-| `--patch strict`: never differs; no `outcomes_agree`, `bounded_wait`, `queues_identical` left; `no_corruption` only where the prefill writes the room first (checked against `strict-no-room-order`: a decode-side patch cannot reorder the prefill's writes); a trace strict refuses an event of is `cut`, never `matches` | `pdgate conform --sglang pinned --patch strict [--local-release]` | the patched source checked as `gate` |
-| `--patch strict --reorder-rooms`: all `strict`, no break left, moved rows `rewritten` | `pdgate conform --sglang pinned --patch strict --reorder-rooms` | as above |
-| the strict diff: `patch -p1` applies to each pinned release, its source gives the monkey-patch's verdicts | `pdgate conform --sglang V --emit-diff D; patch -p1 < D/sglang-V-strict.diff; pdgate conform --sglang V --patch strict --source .` | the patched source checked as `gate` |
-| 0.5.23 with deferred release matches `deferred` (and reproduces its breaks), 0.5.21 `deferred-local` | `pdgate conform --sglang 0.5.21,0.5.23 --deferred` | 0.5.13 checked as `ungated` |
+| `--patch strict`: never differs; no `outcomes_agree`, `bounded_wait`, `queues_identical` left; `no_corruption` only where the prefill writes the room first (checked against `strict-no-room-order`: a decode-side patch cannot reorder the prefill's writes); a trace strict refuses an event of is `cut`, never `matches` | `pdgate conform --sglang pinned --patch strict [--local-release]` | `... --patch strict --variant gate` (the patched queue is not gate) |
+| `--patch strict --reorder-rooms`: all `strict`, no break left, moved rows `rewritten` | `pdgate conform --sglang 0.5.13,0.5.23 --patch strict --reorder-rooms` | as above |
+| the strict diff: `patch -p1` applies to each pinned release, its source gives the monkey-patch's verdicts (test_sglang_diff.py) | `pdgate conform --sglang V --emit-diff D; (cd T; patch -p1 < D/sglang-V-strict.diff); pdgate conform --sglang V --patch strict --source T` | `... --source T --variant gate` |
+| 0.5.23 with deferred release matches `deferred` (and reproduces its breaks), 0.5.21 `deferred-local` | `pdgate conform --sglang 0.5.21,0.5.23 --deferred out/traces/deferred*.cex-*.jsonl` | `pdgate conform --sglang 0.5.13 --variant ungated ...` |
 """
 from __future__ import annotations
 
@@ -43,13 +43,18 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subproces
 
 
 @pytest.fixture(scope="module")
-def all_sources(tmp_path_factory):
+def traces_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
     proc = _cli("prove", "--variant", "ungated", "--variant", "gate", "--variant", "deferred",
                 "--variant", "deferred-local",
                 "--only", "cex:", "--only", "liveness", "--traces", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {p.name: conform.read_source(str(p)) for p in sorted(out.glob("*.jsonl"))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_sources(traces_dir):
+    return {p.name: conform.read_source(str(p)) for p in sorted(traces_dir.glob("*.jsonl"))}
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +227,16 @@ def test_the_patch_runs_with_the_traces_own_timeout(sources):
     assert not validate(relabelled.splitlines()).ok
 
 
+@pytest.mark.parametrize("release, variant", [("0.5.12", "gate"), ("0.5.13", "ungated"),
+                                              ("0.5.23", "strict")])
+def test_cli_checked_against_the_wrong_variant_differs(traces_dir, release, variant):
+    """The table's siblings as commands: --variant V for a release V does not model."""
+    trace = traces_dir / "gate.liveness-bounded_wait.jsonl"
+    proc = _cli("conform", "--sglang", release, "--variant", variant, str(trace))
+    assert proc.returncode == 1 and "differs at" in proc.stdout, proc.stdout + proc.stderr
+    assert "1 checks: 1 differ" in proc.stdout
+
+
 def test_the_same_machinery_says_differs_for_the_wrong_variant(sources):
     """0.5.13 checked as if it were ungated, 0.5.12 as if it were gated: both differ."""
     jobs = []
@@ -286,6 +301,8 @@ def test_cli_table_json_and_exit_code(tmp_path):
     (["--sglang", "0.5.13", "--local-release"], "needs --patch"),
     (["--sglang", "0.5.23", "--deferred", "--patch", "strict"], "does not combine"),
     (["--sglang", "0.5.13", "--traces", "/nonexistent"], "run `pdgate prove"),
+    (["--sglang", "0.5.13", "--reorder-rooms"], "needs --patch"),
+    (["--sglang", "0.5.13,0.5.23", "--source", "/tmp"], "give one --sglang release"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     proc = _cli("conform", *args, timeout=60)

@@ -77,14 +77,18 @@ def test_the_patched_source_gives_the_monkey_patch_verdicts(sources, trees):
 
 
 def test_the_patched_source_is_what_runs(sources, trees):
-    """Checked as ``gate`` (no --patch; the harness adds nothing), the patched source
-    differs on the late-room and room-0 traces where the release as shipped matches."""
+    """Checked as ``gate`` (`--variant gate`), the patched source differs on the
+    late-room and room-0 traces, where the release as shipped reproduces gate's breaks;
+    without --patch (the harness installs nothing) too: the source patches itself."""
     picked = [s for s in sources if s.name in ("gate.cex-outcomes_agree.jsonl",
                                                "gate.liveness-bounded_wait_room=0.jsonl")]
     shipped = conform.check(["0.5.23"], picked)
     assert {r["verdict"] for r in shipped} == {"reproduces"}
-    rows = conform.check(["0.5.23"], picked, source_dir=str(trees["0.5.23"]))
-    assert [r["verdict"] for r in rows] == ["differs", "differs"], rows
+    tree = str(trees["0.5.23"])
+    for patch in ("strict", None):
+        rows = conform.check(["0.5.23"], picked, mode="patch" if patch else "own", patch=patch,
+                             source_dir=tree, variant="gate")
+        assert [(r["variant"], r["verdict"]) for r in rows] == [("gate", "differs")] * 2, rows
 
 
 def test_cli_runs_the_patched_source_and_refuses_a_mismatched_one(sources, trees, tmp_path):
@@ -100,8 +104,13 @@ def test_cli_runs_the_patched_source_and_refuses_a_mismatched_one(sources, trees
     (unpatched / DIFF_TARGET).parent.mkdir(parents=True)
     (unpatched / DIFF_TARGET).write_text(open_wheel("0.5.13").member(DIFF_TARGET))
     assert DIFF_MARK not in (unpatched / DIFF_TARGET).read_text()
+    # the table's sibling: the patched source checked as gate
+    proc = _cli("conform", "--sglang", "0.5.13", "--patch", "strict", "--source",
+                str(trees["0.5.13"]), "--variant", "gate", str(trace))
+    assert proc.returncode == 1 and "differs at" in proc.stdout, proc.stdout + proc.stderr
     for args, needle in (
             (["--patch", "strict", "--source", str(unpatched)], "does not carry the strict patch"),
+            (["--variant", "nope"], "unknown variant 'nope'"),
             (["--source", str(trees["0.5.13"])], "carries the strict patch: add --patch"),
             (["--source", str(tmp_path / "none")], "is not a file"),
             (["--emit-diff", str(trace)], "is not a directory")):
