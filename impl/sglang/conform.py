@@ -5,9 +5,11 @@ For each release and trace, the release's own ``pop_transferred`` runs on T gloo
 processes driven by the trace's environment events (impl.sglang.runner); what it did is
 written as a pdgate trace and validated against the variant that models the release.
 Verdicts: ``matches``, ``reproduces`` (an invariant the variant is known to break, at a
-step), ``differs`` (the release did something its variant does not allow: exit 1), or
-``not checked`` (the variant that models it is not in this spec yet). Default traces:
-every trace ``pdgate prove`` wrote to ``--traces`` plus two simulator runs.
+step), ``differs`` (the release did something its variant does not allow: exit 1),
+``not checked`` (the variant that models it is not in this spec yet), ``cut`` and
+``rewritten`` (the trace had to be fitted to the variant: never ``matches``). Default
+traces: every trace ``pdgate prove`` wrote to ``--traces``, two simulator runs and the
+stale-room trace.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from impl.replay import Script, load_script
 from model.spec.invariants import bounded_wait
 from model.spec.trace import TraceInputError, read_trace_file
 from model.spec.variants import get_variant
+
+if TYPE_CHECKING:
+    from impl.sglang.runner import Fitted
 
 NAME = "pdgate conform"
 # simulator runs added to the default traces: failures, late writes, slot reuse
@@ -159,7 +164,7 @@ def builtin_sources() -> list[Source]:
     return out
 
 
-def _verdict(result: Any, source: Source, fitted: Any = None) -> dict:
+def _verdict(result: Any, source: Source, fitted: "Fitted | None" = None) -> dict:
     """The row's verdict. A run of a cut or rewritten trace never reads ``matches``: its
     verdict is ``cut`` or ``rewritten`` (what changed in ``changes``), what the run found
     in ``found`` (``differs`` stays ``differs``)."""

@@ -14,6 +14,9 @@ seen at commit time is agreed with one MAX all-reduce of the local flags before 
 drops the request, and a popped request's slot is reused only once its receiver says
 ``writes_fenced()`` (``queue.release_fenced()`` frees it; receivers without the method
 count as fenced).
+
+``strict_diff(release, source)``: the same patch as a unified diff against a release's
+decode module; the lines it adds call ``install_at_import``, i.e. ``install_into``.
 """
 from __future__ import annotations
 
@@ -260,6 +263,7 @@ def install_into(release: Any, timeout_steps: int | None = None,
         process_decode_queue._pdgate_strict = True      # type: ignore[attr-defined]
         mixin.process_decode_queue = process_decode_queue
     cls._pdgate_strict = True
+
 
 def _live_release(decode: Any, utils: Any, transfer_backend: str,
                   collective_timeout_s: float) -> Any:
