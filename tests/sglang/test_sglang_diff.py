@@ -25,13 +25,18 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def traces_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
     proc = _cli("prove", "--variant", "gate", "--only", "cex:", "--only", "liveness",
                 "--traces", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     conform.write_stale_room(str(out / conform.STALE_ROOM))
-    return [conform.read_source(str(out / name)) for name in TRACES]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(traces_dir):
+    return [conform.read_source(str(traces_dir / name)) for name in TRACES]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +96,7 @@ def test_the_patched_source_is_what_runs(sources, trees):
         assert [(r["variant"], r["verdict"]) for r in rows] == [("gate", "differs")] * 2, rows
 
 
-def test_cli_runs_the_patched_source_and_refuses_a_mismatched_one(sources, trees, tmp_path):
+def test_cli_runs_the_patched_source_and_refuses_a_mismatched_one(traces_dir, trees, tmp_path):
     trace = tmp_path / "t.jsonl"
     conform.write_stale_room(str(trace))
     out = tmp_path / "rows.json"
@@ -104,9 +109,11 @@ def test_cli_runs_the_patched_source_and_refuses_a_mismatched_one(sources, trees
     (unpatched / DIFF_TARGET).parent.mkdir(parents=True)
     (unpatched / DIFF_TARGET).write_text(open_wheel("0.5.13").member(DIFF_TARGET))
     assert DIFF_MARK not in (unpatched / DIFF_TARGET).read_text()
-    # the table's sibling: the patched source checked as gate
+    # the table's sibling: the patched source checked as gate (a genuine room 0: gate
+    # holds it forever, the patch fails it)
     proc = _cli("conform", "--sglang", "0.5.13", "--patch", "strict", "--source",
-                str(trees["0.5.13"]), "--variant", "gate", str(trace))
+                str(trees["0.5.13"]), "--variant", "gate",
+                str(traces_dir / "gate.liveness-bounded_wait_room=0.jsonl"))
     assert proc.returncode == 1 and "differs at" in proc.stdout, proc.stdout + proc.stderr
     for args, needle in (
             (["--patch", "strict", "--source", str(unpatched)], "does not carry the strict patch"),
