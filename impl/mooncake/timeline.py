@@ -76,25 +76,28 @@ def latencies(reqs: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def steps(results: list[dict[str, Any]], log0: list[dict[str, Any]], t0: float
-          ) -> tuple[list[float], list[int]]:
-    """Rank 0's step periods in ms (start to next start) and its queue length in each of
-    those steps, from the first enqueue on."""
+          ) -> tuple[list[float], list[float], list[int]]:
+    """Rank 0's steps from the first enqueue on: each period in ms (start to next
+    start), the part of it before the MIN returned (its log record is written then: the
+    pops' delay), and its queue length."""
     starts = next((r["step_starts"] for r in results if r["rank"] == 0), [])
-    queues = [len(rec["rec"]["queue"]) for rec in log0 if rec["k"] == "step"]
-    keep = [k for k, t in enumerate(starts[:len(queues)]) if t >= t0]
-    periods = [round((starts[k + 1] - starts[k]) * 1000.0, 3) for k in keep if k + 1 < len(starts)]
-    return periods, [queues[k] for k in keep[:len(periods)]]
+    recs = [rec for rec in log0 if rec["k"] == "step"]
+    keep = [k for k, t in enumerate(starts[:len(recs)]) if t >= t0 and k + 1 < len(starts)]
+    return ([round((starts[k + 1] - starts[k]) * 1000.0, 3) for k in keep],
+            [round((recs[k]["t"] - starts[k]) * 1000.0, 3) for k in keep],
+            [len(recs[k]["rec"]["queue"]) for k in keep])
 
 
 def timeline(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
              landings: list[list[Any]]) -> dict[str, Any]:
-    """The JSON's ``timeline`` (requests, rank 0's step periods and queue lengths) and the
-    latency percentiles (``ttft_p50_ms``, ...)."""
+    """The JSON's ``timeline`` (requests; rank 0's step periods, pop delays and queue
+    lengths) and the latency percentiles (``ttft_p50_ms``, ...)."""
     t0, reqs = requests(results, landings)
     figs: dict[str, Any] = {}
     for name, values in latencies(reqs).items():
         for q, v in percentiles(values).items():
             figs[f"{name}_{q}_ms"] = v
-    periods, queues = steps(results, logs[0] if logs else [], t0)
-    figs["timeline"] = {"requests": reqs, "step_ms": periods, "step_queue": queues}
+    periods, costs, queues = steps(results, logs[0] if logs else [], t0)
+    figs["timeline"] = {"requests": reqs, "step_ms": periods, "step_cost_ms": costs,
+                        "step_queue": queues}
     return figs
