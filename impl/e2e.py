@@ -70,7 +70,7 @@ def setup(cfg: E2EConfig) -> dict[str, Any]:
     flag = (lambda name, default: args[args.index(name) + 1] if name in args else default)
     return {"ranks": cfg.ranks, "requests": cfg.requests, "variant": cfg.variant,
             "arrivals": "closed-loop", "step_ms": cfg.step_ms, "slots": cfg.slots,
-            "inflight": int(flag("--inflight", 16)),
+            "inflight": int(flag("--inflight", 16)), "pages": int(flag("--pages", 512)),
             "min_pages": int(flag("--min-pages", 0)), "max_pages": int(flag("--max-pages", 0)),
             "page_bytes": int(flag("--page-bytes", 0)),
             "metadata_delay_ms": {str(r): s * 1000 for r, s in cfg.metadata_delay}}

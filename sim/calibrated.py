@@ -84,11 +84,11 @@ def _check(cal: Any, path: str) -> None:
         for row in t["replay_ms"]:
             if len(_values(row, "transfer.replay_ms rows", path, 0)) != width:
                 raise SimInputError(f"--calibration: {path}: transfer.replay_ms rows differ in length")
-        for key in ("ranks", "requests", "inflight", "slots", "min_pages", "max_pages"):
+        for key in ("ranks", "requests", "inflight", "slots", "pages", "min_pages", "max_pages"):
             if not isinstance(s[key], int) or not 1 <= s[key] <= 1 << 20:
                 raise SimInputError(f"--calibration: {path}: setup.{key} must be an integer in 1..2^20")
-        if s["min_pages"] > s["max_pages"]:
-            raise SimInputError(f"--calibration: {path}: setup.min_pages > setup.max_pages")
+        if not s["min_pages"] <= s["max_pages"] <= s["pages"]:
+            raise SimInputError(f"--calibration: {path}: need setup.min_pages <= max_pages <= pages")
     except (KeyError, TypeError, IndexError) as exc:
         raise SimInputError(f"--calibration: {path}: missing or malformed {exc}") from None
 
@@ -121,7 +121,7 @@ def configure(cfg: SimConfig, cal: dict[str, Any], model: str, delays: dict[int,
     out = replace(cfg, request_pool=pool, slots=max(s["slots"], pool), forward=step, idle_step=step,
                   allreduce_alpha_ms=a["alpha_ms"] * scale, allreduce_beta_ms=a["beta_ms"] * scale,
                   allreduce_extra=extra, prefill_base_ms=0.0, prefill_ms_per_token=0.0,
-                  page_tokens=1, metadata_lag=lags, lag_skew=None)
+                  page_tokens=1, metadata_lag=lags, lag_skew=None, page_pool=s["pages"])
     if model == "writer":
         w = cal["writer"]
         return replace(out, transfer=_fit(w, False), writer=WriterFit(

@@ -112,6 +112,7 @@ class SimConfig:
     # fitted to a real run (pdgate simulate --calibration); None: the model above
     transfer: TransferFit | None = None
     writer: WriterFit | None = None
+    page_pool: int | None = None           # KV pages per rank (input_len = pages), see engine._take_pages
     fence_delay: Dist = field(default_factory=lambda: parse_dist("const:0.5", "--fence-delay"))
     # faults
     fail_prob: float = 0.0                 # per request: one rank's transfer fails

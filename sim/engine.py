@@ -236,6 +236,12 @@ class Simulation:
         # timelines built by _timeline_of (the writer's queue needs each enqueue's time)
         self.per_event = bool(cfg.stalls) or record_spans or cfg.writer is not None
         self.writer_free = 0.0     # when the calibrated prefill writer is next free
+        # a calibrated e2e's KV page pool (cfg.page_pool; 0: not modelled)
+        self.page_pool = cfg.page_pool or 0
+        self.page_free = self.page_pool
+        self.page_held: deque[int] = deque()      # committed requests' pages, oldest first
+        self.pages_freed = False                  # this decode step freed held pages
+        self.pages_of: list[int] = workload.input_len.tolist() if self.page_pool else []
         self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
         self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
         self.end_ms = 0.0
@@ -321,7 +327,23 @@ class Simulation:
         while prealloc and self.in_pool < pool:
             if not spec.admitting():      # the spec's admission rule (agreed, or per rank)
                 return
+            if self.page_pool and not self._take_pages(self.pages_of[prealloc[0]]):
+                return
             self._enqueue(prealloc.popleft(), now)
+
+    def _take_pages(self, need: int) -> bool:
+        """A calibrated e2e's KV pages (cfg.page_pool): committed requests keep theirs
+        until an admission is short, which frees the oldest, once per decode step and
+        only enough for the first waiting request (the e2e's byte check, rank.py)."""
+        if self.page_free < need and not self.pages_freed:
+            self.pages_freed = True
+            held = self.page_held
+            while held and self.page_free < need:
+                self.page_free += held.popleft()
+        if self.page_free < need:
+            return False
+        self.page_free -= need
+        return True
 
     def _shift_stalls(self, k: int, t: float) -> float:
         """``t`` moved past any stall of rank ``k`` that covers it."""
@@ -690,6 +712,7 @@ class Simulation:
                 if running and running[0][0] <= done:
                     self._decoded(done, t)
                 if prealloc:
+                    self.pages_freed = False
                     self._admit(t)
                 if not running:
                     t += idle()
@@ -723,7 +746,11 @@ class Simulation:
                 write_end.pop(r, None)      # a commit gets no fence
                 commit_ms[r] = now
                 heapq.heappush(running, (first_step + output_len[r], r))
+                if self.page_pool:
+                    self.page_held.append(self.pages_of[r])
             else:
+                if self.page_pool:
+                    self.page_free += self.pages_of[r]
                 aborted = True
                 self.in_pool -= 1
                 self._finish(now)

@@ -29,6 +29,7 @@ from sim.errors import SimInputError
 
 VERSION = 1
 MAX_FILE_BYTES = 16 << 20
+PAGES_DEFAULT = 512      # rank.py's --pages, for e2e JSONs from before setup.pages
 
 
 def load_e2e(path: str) -> dict[str, Any]:
@@ -166,10 +167,11 @@ def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     writer = _writer(main)
     plain = [k for k in range(main.ranks) if main.delay[k] == 0] or list(range(main.ranks))
     lag = np.maximum(main.room - main.success, 0.0)
+    setup = {**setup, "pages": setup.get("pages", PAGES_DEFAULT)}
     return {
         "version": VERSION, "sources": [p for p, _ in docs],
         "setup": {k: setup.get(k) for k in ("ranks", "requests", "variant", "arrivals", "step_ms",
-                                            "slots", "inflight", "min_pages", "max_pages",
+                                            "slots", "inflight", "pages", "min_pages", "max_pages",
                                             "metadata_delay_ms")},
         "allreduce": {"alpha_ms": round(alpha, 6), "beta_ms": round(beta, 6),
                       "residual_ms": [round(float(v), 4) for v in resid]},
