@@ -65,13 +65,18 @@ def describe(setup: dict[str, Any]) -> str:
 
 
 def compare(cal: dict[str, Any], path: str, doc: dict[str, Any], model: str, seeds: int,
-            role: str) -> list[dict[str, Any]]:
-    sim = simulated(cal, doc["setup"], model, seeds)
+            role: str, other: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Rows of ``doc``'s measured percentiles against the simulated ones, or with
+    ``other`` (an e2e run of the same setup) against that run's: the noise floor."""
+    sim = simulated(cal, doc["setup"], model, seeds) if other is None else {}
     rows = []
     for m in METRICS:
         for q in QUANTILES:
             real = doc.get(f"{m}_p{q}_ms")
-            est = float(np.percentile(sim[m], q)) if sim[m] else None
+            if other is not None:
+                est = other.get(f"{m}_p{q}_ms")
+            else:
+                est = float(np.percentile(sim[m], q)) if sim[m] else None
             err = (est - real) / real * 100 if real and est is not None else None
             rows.append({"run": path, "role": role, "setup": describe(doc["setup"]), "model": model,
                          "metric": m, "quantile": f"p{q}", "e2e_ms": real,
@@ -119,6 +124,9 @@ def execute(args: argparse.Namespace) -> int:
     if not held:
         return 0
     rows = []
+    for path, doc in held:      # the same setup run again: how far real runs differ
+        if describe(doc["setup"]) == describe(docs[0][1]["setup"]):
+            rows += compare(cal, path, doc, "e2e (calibration run)", args.seeds, "repeat", docs[0][1])
     for model in models:
         rows += compare(cal, docs[0][0], docs[0][1], model, args.seeds, "fitted")
         for path, doc in held:
