@@ -38,8 +38,9 @@ class Stall:
 class TransferFit:
     """KV transfer times fitted to a real run (sim/fit.py): request i on rank r takes
     ``(base + per_page x pages) x exp(c_i + e_ir)``, the common factor c_i and the rank's
-    noise e_ir drawn from the run's own log residuals, so the ranks' times are correlated
-    as measured; with ``replay``, the measured times of request i mod n (rank r mod T)."""
+    noise e_ir from the run's own log residuals (c_i in request order from a random
+    start, e_ir drawn at random), so the ranks' times are correlated as measured; with
+    ``replay``, the measured times of request i mod n (rank r mod T)."""
     base_ms: float
     per_page_ms: float
     common: tuple[float, ...]                 # per request: the log residual its ranks share
@@ -51,7 +52,10 @@ class TransferFit:
         """(len(pages), ranks) times for requests ``first ..``; ``chunk`` draws' worth
         of randomness either way, so a request's times depend on its index only."""
         m = len(pages)
-        c = np.asarray(self.common)[rng.integers(0, len(self.common), chunk)][:m]
+        # the common factors in request order from a random start: a stall of the real
+        # run (every process slowed at once) stays a stretch of slow requests
+        start = int(rng.integers(0, len(self.common)))
+        c = np.asarray(self.common)[(start + np.arange(chunk)) % len(self.common)][:m]
         e = np.asarray(self.noise)[rng.integers(0, len(self.noise), chunk * ranks)].reshape(chunk, ranks)[:m]
         if self.replay:
             table = np.asarray(self.replay)
