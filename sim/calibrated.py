@@ -73,6 +73,8 @@ def _check(cal: Any, path: str) -> None:
         _values([cal["step_growth_per_rank_doubling"]], "step_growth_per_rank_doubling", path, -1)
         _values(cal["step_rest_ms"], "step_rest_ms", path, 0)
         _values(cal["lag_ms"], "lag_ms", path, 0)
+        if cal.get("delayed_wait_ms"):
+            _values(cal["delayed_wait_ms"], "delayed_wait_ms", path, 0)
         for name, part in (("transfer", t), ("writer", w)):
             _values([part["base_ms"], part["per_page_ms"]], f"{name} base", path, 0)
             _values(part["common"], f"{name}.common", path, -50)
@@ -113,9 +115,14 @@ def configure(cfg: SimConfig, cal: dict[str, Any], model: str, delays: dict[int,
     scale = max(0.1, 1 + cal["step_growth_per_rank_doubling"] * math.log2(T / s["ranks"]))
     step = Dist("trace", (), tuple(v * scale for v in cal["step_rest_ms"]), "trace:calibration")
     extra = Dist("trace", (), tuple(v * scale for v in a["residual_ms"]), "trace:calibration")
-    lag = tuple(cal["lag_ms"])
+    lag, waits = tuple(cal["lag_ms"]), tuple(cal.get("delayed_wait_ms") or ())
     room = cal["writer"]["room_ms"]
-    lags = tuple(Dist("empirical", (), tuple(v + delays[r] + 2 * room for v in lag)
+    measured = bool(waits) and model == "writer"
+    # a delayed rank's lag: its delay and the measured waits behind the prefill's queue
+    # (the writer adds the delay itself), else the row's two writes
+    lags = tuple(Dist("empirical", (), (waits if measured else
+                                        tuple(v + delays[r] for v in waits) if waits else
+                                        tuple(v + delays[r] + 2 * room for v in lag))
                       if r in delays else lag, "empirical:calibration") for r in range(T))
     pool = inflight if inflight is not None else s["inflight"]
     out = replace(cfg, request_pool=pool, slots=max(s["slots"], pool), forward=step, idle_step=step,
@@ -126,7 +133,7 @@ def configure(cfg: SimConfig, cal: dict[str, Any], model: str, delays: dict[int,
         w = cal["writer"]
         return replace(out, transfer=_fit(w, False), writer=WriterFit(
             w["xfer_delay_ms"], w["room_ms"], w["push_ms"],
-            tuple(float(delays.get(r, 0.0)) for r in range(T)))).validate()
+            tuple(float(delays.get(r, 0.0)) for r in range(T)), not measured)).validate()
     return replace(out, transfer=_fit(cal["transfer"], model == "replay")).validate()
 
 

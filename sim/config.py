@@ -71,11 +71,13 @@ class WriterFit:
     rank) job queues FIFO (requests in enqueue order, ranks in rank order), its KV write
     takes the transfer draw, then the room write; Success reaches the rank ``push_ms``
     later. A rank with a metadata delay (e2e's --metadata-delay) gets Success right
-    after its KV write and its row ``delay`` later (payload and room writes)."""
+    after its KV write and its row ``delay`` later plus a wait behind the queue."""
     xfer_delay_ms: float          # enqueue -> the XFER reaches the prefill
     room_ms: float                # one metadata write
     push_ms: float                # the last write returned -> Success at the rank
     delay_ms: tuple[float, ...]   # per rank
+    queue_delayed: bool = True    # a delayed row waits the backlog its request found;
+    # False: it waits its metadata-lag draw (measured waits of delayed rows, sim/fit.py)
 
 
 @dataclass(frozen=True)

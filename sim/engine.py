@@ -441,7 +441,7 @@ class Simulation:
         extra = float(ch.late_ms[j]) if fr >= 0 else 0.0
         xfer, lag, lost = ch.xfer_ms[j].tolist(), ch.lag_ms[j].tolist(), ch.lost[j].tolist()
         if self.cfg.writer is not None:
-            xfer, lag = self._written(now, xfer)
+            xfer, lag = self._written(now, xfer, lag)
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
@@ -466,10 +466,13 @@ class Simulation:
         times, codes = zip(*events)
         return _Timeline(i, 0.0, array("d", times), array("q", codes))
 
-    def _written(self, now: float, service: list[float]) -> tuple[list[float], list[float]]:
+    def _written(self, now: float, service: list[float], waits: list[float]
+                 ) -> tuple[list[float], list[float]]:
         """A request enqueued at ``now`` through the calibrated prefill writer (a FIFO
         server, sim/config.py WriterFit) whose KV writes take ``service`` per rank:
-        each rank's Success (relative to ``now``) and its row's lag after it."""
+        each rank's Success (relative to ``now``) and its row's lag after it. A delayed
+        row waits ``waits`` (drawn from measured waits) or, without measurements, the
+        backlog the request found."""
         w = self.cfg.writer
         assert w is not None
         free = self.writer_free
@@ -483,7 +486,7 @@ class Simulation:
             delay = w.delay_ms[k]
             if delay > 0:           # Success first, the row (payload, room) later
                 success, free = kv + w.push_ms, kv
-                land = kv + delay + backlog + 2 * w.room_ms
+                land = kv + delay + (backlog + 2 * w.room_ms if w.queue_delayed else waits[k])
             else:                   # the room, then Success
                 free = kv + w.room_ms
                 success, land = free + w.push_ms, free

@@ -13,7 +13,8 @@ times) this fits, in ms:
   exp of a common factor per request and a per-rank noise (the measured log residuals;
   their correlation is reported), and the measured table for replay;
 - the metadata lag (room written -> after Success) per rank, and the writer's room
-  write, push and XFER delays.
+  write, push and XFER delays; from runs with a metadata delay, how long a delayed
+  row waited behind the prefill's queue.
 Everything comes from the JSON; nothing is assumed but the shapes above.
 """
 from __future__ import annotations
@@ -163,6 +164,10 @@ def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     x = np.array([math.log2(t) - math.log2(main.ranks) for t in medians if t != main.ranks])
     y = np.array([np.mean(v) / base - 1 for t, v in medians.items() if t != main.ranks])
     growth = float(np.dot(x, y) / np.dot(x, x)) if len(x) else 0.0
+    # a delayed row's wait behind the prefill's queue (room written - KV written - delay),
+    # from every run with a metadata delay (none: sim/engine.py's backlog estimate)
+    waits = [float(run.room[i, k] - run.kv[i, k] - run.delay[k]) for run in runs
+             for k in range(run.ranks) if run.delay[k] > 0 for i in range(len(run.kv))]
     xfer = main.success - main.enq
     writer = _writer(main)
     plain = [k for k in range(main.ranks) if main.delay[k] == 0] or list(range(main.ranks))
@@ -183,4 +188,5 @@ def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                    **_factors(writer["service"], main.pages)},
         # the lag without an injected delay (a delayed rank's own lag is its delay)
         "lag_ms": [round(float(v), 4) for v in lag[:, plain].reshape(-1)],
+        "delayed_wait_ms": [round(max(v, 0.0), 4) for v in waits],
     }

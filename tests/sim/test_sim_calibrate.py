@@ -122,3 +122,15 @@ def test_bad_calibration_input_is_one_line(argv, needle, tmp_path, capsys):
 def test_default_configs_have_no_calibration():
     cfg = SimConfig()
     assert cfg.transfer is None and cfg.writer is None and cfg.allreduce_extra is None
+
+
+def test_a_delay_run_gives_delayed_rows_their_measured_wait(cal):
+    delay = str(DATA / "cal-r2-delay10.json.gz")
+    both = fit([(CAL, load_e2e(CAL)), (delay, load_e2e(delay))])
+    waits = both["delayed_wait_ms"]
+    assert not cal["delayed_wait_ms"] and len(waits) == 300      # rank 1 of 300 requests
+    setup = {**load_e2e(CAL)["setup"], "metadata_delay_ms": {"1": 20.0}}
+    measured = np.percentile(simulated(both, setup, "writer", 1)["gate_delay"], 50)
+    estimated = np.percentile(simulated(cal, setup, "writer", 1)["gate_delay"], 50)
+    # the measured waits (a median of tens of ms here) replace the backlog estimate
+    assert measured > 20 + 0.5 * np.median(waits) and measured != estimated
