@@ -20,7 +20,7 @@ from sim.config import SimConfig
 from sim.draws import stream
 from sim.engine import Simulation
 from sim.errors import SimInputError, check_writable
-from sim.fit import fit, load_e2e
+from sim.fit import check_setup, fit, load_e2e
 
 PROG = "pdgate calibrate"
 METRICS = ("gate_delay", "enqueue_commit")
@@ -109,6 +109,8 @@ def execute(args: argparse.Namespace) -> int:
     check_writable(args.json, "--json")
     docs = [(p, load_e2e(p)) for p in args.e2e]
     held = [(p, load_e2e(p)) for p in args.validate if p not in args.e2e]   # (fitted rows: always)
+    for path, doc in docs[:1] + held:
+        check_setup(doc, path)
     cal = fit(docs)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fp:

@@ -93,6 +93,31 @@ class _Run:
         self.periods, self.costs, self.step_queue = (np.array(c[:n]) for c in cols)
 
 
+def check_setup(doc: dict[str, Any], path: str) -> None:
+    """A held-out run's setup and figures, as ``--validate`` uses them."""
+    s = doc["setup"]
+    ok = (all(isinstance(s.get(k), int) and not isinstance(s.get(k), bool) and 1 <= s[k] <= hi
+              for k, hi in (("ranks", 1024), ("requests", 10**6), ("inflight", 1 << 20)))
+          and isinstance(s.get("metadata_delay_ms") or {}, dict)
+          and all(str(r).isdigit() and int(r) < s["ranks"] and _num(v) is not None and 0 <= v <= 1e7
+                  for r, v in (s.get("metadata_delay_ms") or {}).items())
+          and all(doc.get(f"{m}_p{q}_ms") is None or _num(doc.get(f"{m}_p{q}_ms")) is not None
+                  for m in ("gate_delay", "enqueue_commit") for q in (50, 90, 99)))
+    if not ok:
+        raise SimInputError(f"{path}: malformed setup (ranks 1..1024, requests 1..10^6, inflight, "
+                            f"metadata_delay_ms RANK -> ms) or latency figures")
+
+
+def _run(doc: dict[str, Any], path: str) -> _Run:
+    """``doc`` as a run; a malformed field is one line naming the file."""
+    try:
+        return _Run(doc, path)
+    except SimInputError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        raise SimInputError(f"{path}: malformed e2e timeline or setup ({type(exc).__name__})") from None
+
+
 def _linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least-squares intercept and slope (slope 0 when x does not vary), both >= 0."""
     if len(x) < 2 or float(np.ptp(x)) == 0.0:
@@ -148,7 +173,7 @@ def _writer(run: _Run) -> dict[str, Any]:
 def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The calibration (a JSON-able dict) from e2e runs; the first is the main one (its
     steps, transfers and lags); the others only add rank counts to the all-reduce fit."""
-    runs = [_Run(doc, path) for path, doc in docs]
+    runs = [_run(doc, path) for path, doc in docs]
     main, setup = runs[0], docs[0][1]["setup"]
     # the pops' delay after the step began: alpha + beta x queued, and its residuals in
     # step order; the rest of each step period after it, in step order

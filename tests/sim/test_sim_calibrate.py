@@ -102,6 +102,7 @@ def test_simulate_calibration_cli(cal, tmp_path, capsys):
     (["simulate", "--calibration", "{good}", "--ranks", "2", "--metadata-delay", "1:nan"], "RANK:MS"),
     (["calibrate", "/etc/hostname"], "not JSON"),
     (["calibrate", "{bad}"], "not a pdgate e2e JSON"),
+    (["calibrate", CAL, "--validate", "{e2e_bad_setup}"], "malformed setup"),
 ])
 def test_bad_calibration_input_is_one_line(argv, needle, tmp_path, capsys):
     bad = tmp_path / "bad.json"
@@ -110,7 +111,11 @@ def test_bad_calibration_input_is_one_line(argv, needle, tmp_path, capsys):
     good.write_text(json.dumps(fit([(CAL, load_e2e(CAL))])))
     e2e = tmp_path / "e2e.json"
     e2e.write_text('{"setup": {}}')
-    argv = [a.format(bad=bad, good=good, e2e=e2e) for a in argv]
+    held = load_e2e(CAL)
+    held["setup"]["metadata_delay_ms"] = [1]
+    e2e_bad_setup = tmp_path / "held.json"
+    e2e_bad_setup.write_text(json.dumps(held))
+    argv = [a.format(bad=bad, good=good, e2e=e2e, e2e_bad_setup=e2e_bad_setup) for a in argv]
     try:
         rc = main(argv)
     except SystemExit as exc:
