@@ -21,7 +21,8 @@ from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
 from model.cli import number, writable_problem
 
 KEYS = ("committed", "aborted", "lost", "byte_exact", "gate_holds", "commit_latency_p50_ms",
-        "commit_latency_p99_ms", "mb_per_s")
+        "commit_latency_p99_ms", "mb_per_s", "ttft_p50_ms", "ttft_p99_ms", "gate_delay_p50_ms",
+        "gate_delay_p99_ms", "enqueue_commit_p50_ms", "enqueue_commit_p99_ms")
 
 
 @dataclass
@@ -62,12 +63,26 @@ def aborts_explained(cfg: E2EConfig) -> bool:
     return any(s * 1000 >= cfg.timeout_steps * cfg.step_ms for _, s in cfg.metadata_delay)
 
 
+def setup(cfg: E2EConfig) -> dict[str, Any]:
+    """What ``pdgate calibrate`` needs to know of how the run was set up. The workload
+    is closed-loop: every request is served at once and admitted as room frees."""
+    args = cfg.rank_args + cfg.workload
+    flag = (lambda name, default: args[args.index(name) + 1] if name in args else default)
+    return {"ranks": cfg.ranks, "requests": cfg.requests, "variant": cfg.variant,
+            "arrivals": "closed-loop", "step_ms": cfg.step_ms, "slots": cfg.slots,
+            "inflight": int(flag("--inflight", 16)), "pages": int(flag("--pages", 512)),
+            "min_pages": int(flag("--min-pages", 0)), "max_pages": int(flag("--max-pages", 0)),
+            "page_bytes": int(flag("--page-bytes", 0)),
+            "metadata_delay_ms": {str(r): s * 1000 for r, s in cfg.metadata_delay}}
+
+
 def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     """Run once; returns the figures (plus ``trace``, ``trace_valid``, ``trace_message``,
     ``work_dir``, ``error``). A run that fails still returns what it can: the error,
     the trace of the steps every rank logged, and the work dir with the rank logs."""
     from impl.mooncake.cluster import Cluster, ClusterError
     from impl.mooncake.report import ReportError, figures, load_log, write_trace
+    from impl.mooncake.timeline import timeline
     from model.spec.validate import validate
 
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="pdgate-e2e-"))
@@ -115,6 +130,8 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
                rejected_frames=0)
     if results is not None:
         out.update(figures(results, logs, cfg.requests))
+        out.update(timeline(results, logs, prefill_stats.get("landings", [])))
+    out["setup"] = setup(cfg)
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)

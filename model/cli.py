@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("model.spec.validate", "replay a trace against the spec"),
     "simulate": ("sim.cli", "simulate a variant (or --compare several) under latencies and faults"),
     "sweep": ("sim.sweep", "grid of simulations to CSV, and a capacity search"),
+    "calibrate": ("sim.calibrate", "fit the simulator to real e2e runs; --validate against held-out runs"),
     "replay": ("impl.replay", "replay a trace on T real gloo processes running impl.decode"),
     "conform": ("impl.sglang.conform", "run SGLang releases' own decode code on traces and check it against the spec"),
     "e2e": ("impl.e2e", "end to end over real Mooncake: one prefill, T decode ranks"),
@@ -89,7 +90,8 @@ def _can_create_in(folder: Path) -> bool:
 # Output paths by subcommand (argparse dest), checked before any work: files, folders.
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
-    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",)}
+    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",),
+    "calibrate": ("out", "json")}
 OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
 INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
 

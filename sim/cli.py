@@ -8,6 +8,7 @@ from typing import Any
 from dataclasses import replace
 
 from model.spec.variants import VARIANTS
+from sim import calibrated
 from sim.compare import cost_line, ttft_cost
 from sim.config import SimConfig
 from sim.dists import parse_dist
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each variant (--compare's, default all) until its first invariant "
                         "break, --replications times: requests and seconds until the break")
     add_model_arguments(p)
+    calibrated.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     o.add_argument("--trace", metavar="PATH",
@@ -147,6 +149,7 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     if args.hazard and not args.compare:
         args.compare = ",".join(VARIANTS)
     names = _variants(args)
+    calibrated.check_flags(args)
     several = args.compare is not None
     reps = args.replications if several else 1
     record = bool(args.perfetto)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from model.spec.timeouts import STEP_FLOOR_S
 from sim.dists import Dist, parse_dist
 from sim.errors import SimInputError
@@ -33,6 +35,52 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class TransferFit:
+    """KV transfer times fitted to a real run (sim/fit.py): request i on rank r takes
+    ``(base + per_page x pages) x exp(c_i + e_ir)``, the common factor c_i and the rank's
+    noise e_ir from the run's own log residuals (c_i in request order from a random
+    start, e_ir drawn at random), so the ranks' times are correlated as measured; with
+    ``replay``, the measured times of request i mod n (rank r mod T)."""
+    base_ms: float
+    per_page_ms: float
+    common: tuple[float, ...]                 # per request: the log residual its ranks share
+    noise: tuple[float, ...]                  # per (request, rank): the rest
+    replay: tuple[tuple[float, ...], ...] = ()
+
+    def draw(self, rng: np.random.Generator, pages: np.ndarray, first: int, ranks: int,
+             chunk: int) -> np.ndarray:
+        """(len(pages), ranks) times for requests ``first ..``; ``chunk`` draws' worth
+        of randomness either way, so a request's times depend on its index only."""
+        m = len(pages)
+        # the common factors in request order from a random start: a stall of the real
+        # run (every process slowed at once) stays a stretch of slow requests
+        start = int(rng.integers(0, len(self.common)))
+        c = np.asarray(self.common)[(start + np.arange(chunk)) % len(self.common)][:m]
+        e = np.asarray(self.noise)[rng.integers(0, len(self.noise), chunk * ranks)].reshape(chunk, ranks)[:m]
+        if self.replay:
+            table = np.asarray(self.replay)
+            rows = (first + np.arange(m)) % len(table)
+            return table[rows][:, np.arange(ranks) % table.shape[1]]
+        base = self.base_ms + self.per_page_ms * pages
+        return base[:, None] * np.exp(c[:, None] + e)
+
+
+@dataclass(frozen=True)
+class WriterFit:
+    """The prefill's single writer, fitted to a real run (sim/fit.py): each (request,
+    rank) job queues FIFO (requests in enqueue order, ranks in rank order), its KV write
+    takes the transfer draw, then the room write; Success reaches the rank ``push_ms``
+    later. A rank with a metadata delay (e2e's --metadata-delay) gets Success right
+    after its KV write and its row ``delay`` later plus a wait behind the queue."""
+    xfer_delay_ms: float          # enqueue -> the XFER reaches the prefill
+    room_ms: float                # one metadata write
+    push_ms: float                # the last write returned -> Success at the rank
+    delay_ms: tuple[float, ...]   # per rank
+    queue_delayed: bool = True    # a delayed row waits the backlog its request found;
+    # False: it waits its metadata-lag draw (measured waits of delayed rows, sim/fit.py)
+
+
+@dataclass(frozen=True)
 class SimConfig:
     variant: str = "gate"
     ranks: int = 8
@@ -52,6 +100,7 @@ class SimConfig:
     idle_step: Dist = field(default_factory=lambda: parse_dist("const:1", "--idle-step"))
     allreduce_alpha_ms: float = ALLREDUCE_ALPHA_MS
     allreduce_beta_ms: float = ALLREDUCE_BETA_MS
+    allreduce_extra: Dist | None = None    # calibrated: a measured residual added per step
     # prefill: base + per-token time on a pool of FIFO prefill servers
     prefill_base_ms: float = 15.0
     prefill_ms_per_token: float = 0.04
@@ -66,6 +115,10 @@ class SimConfig:
     # metadata lag after KV completion, one distribution per rank (None: the default below)
     metadata_lag: tuple[Dist, ...] | None = None
     lag_skew: tuple[float, ...] | None = None
+    # fitted to a real run (pdgate simulate --calibration); None: the model above
+    transfer: TransferFit | None = None
+    writer: WriterFit | None = None
+    page_pool: int | None = None           # KV pages per rank (input_len = pages), see engine._take_pages
     fence_delay: Dist = field(default_factory=lambda: parse_dist("const:0.5", "--fence-delay"))
     # faults
     fail_prob: float = 0.0                 # per request: one rank's transfer fails

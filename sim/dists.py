@@ -2,7 +2,9 @@
 
 ``const:2``, ``exp:1.5`` (mean), ``uniform:lo,hi``, ``lognormal:mu,sigma`` (of ln ms),
 ``pareto:alpha,scale`` (scale = the minimum), ``gamma:shape,mean``, ``empirical:FILE``
-(one non-negative number per line, ``#`` comments, drawn with replacement).
+(one non-negative number per line, ``#`` comments, drawn with replacement), ``trace:FILE``
+(the same file read in order: each block of draws is a run of consecutive values from a
+random start, so a measured trace keeps its slow and fast stretches).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from sim.errors import SimInputError
 # kind -> (number of parameters, description for error messages)
 _KINDS = {"const": (1, "const:VALUE"), "exp": (1, "exp:MEAN"), "uniform": (2, "uniform:LO,HI"),
           "lognormal": (2, "lognormal:MU,SIGMA"), "pareto": (2, "pareto:ALPHA,SCALE"),
-          "gamma": (2, "gamma:SHAPE,MEAN"), "empirical": (0, "empirical:FILE")}
+          "gamma": (2, "gamma:SHAPE,MEAN"), "empirical": (0, "empirical:FILE"),
+          "trace": (0, "trace:FILE")}
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Dist:
             return (rng.pareto(p[0], n) + 1.0) * p[1]
         if self.kind == "gamma":
             return rng.gamma(p[0], p[1] / p[0], n)
+        if self.kind == "trace":
+            start = int(rng.integers(0, len(self.sample)))
+            return np.asarray(self.sample)[(start + np.arange(n)) % len(self.sample)]
         return np.asarray(self.sample)[rng.integers(0, len(self.sample), n)]
 
     @property
@@ -50,7 +56,8 @@ class Dist:
                 "lognormal": lambda: math.exp(p[0] + p[1] ** 2 / 2),
                 "pareto": lambda: math.inf if p[0] <= 1 else p[0] * p[1] / (p[0] - 1),
                 "gamma": lambda: p[1],
-                "empirical": lambda: float(np.mean(self.sample))}[self.kind]()
+                "empirical": lambda: float(np.mean(self.sample)),
+                "trace": lambda: float(np.mean(self.sample))}[self.kind]()
 
     def __str__(self) -> str:
         return self.text
@@ -94,7 +101,7 @@ def parse_dist(text: str, flag: str) -> Dist:
         raise SimInputError(f"{flag}: invalid distribution {text!r} "
                             f"(use one of {', '.join(d for _, d in _KINDS.values())})")
     arity, usage = _KINDS[kind]
-    if kind == "empirical":
+    if kind in ("empirical", "trace"):
         if not rest.strip():
             raise SimInputError(f"{flag}: {text!r} needs a file ({usage})")
         return Dist(kind, (), load_empirical(rest.strip(), flag), text)

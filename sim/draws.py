@@ -18,7 +18,7 @@ from sim.errors import SimInputError
 from sim.workload import Workload
 
 STREAMS = {"workload": 0, "transfer": 1, "lag": 2, "faults": 3, "ids": 4, "forward": 5,
-           "idle": 6, "fence": 7}
+           "idle": 6, "fence": 7, "allreduce": 8}
 
 
 def stream(seed: int, name: str) -> np.random.Generator:
@@ -98,7 +98,10 @@ class Draws:
                 + tokens * cfg.kv_bytes_per_token / T / (cfg.bandwidth_gbps * 1e6))
         # every chunk draws CHUNK requests' worth (the last one too, then cut), so a
         # request's draws do not depend on how many requests follow it
-        xfer = base[:, None] + cfg.kv_jitter.draw(rng("transfer"), CHUNK * T).reshape(CHUNK, T)[:m]
+        if cfg.transfer is not None:
+            xfer = cfg.transfer.draw(rng("transfer"), tokens, lo, T, CHUNK)
+        else:
+            xfer = base[:, None] + cfg.kv_jitter.draw(rng("transfer"), CHUNK * T).reshape(CHUNK, T)[:m]
         r = rng("lag")
         lag = np.empty((m, T))
         skew = cfg.lag_skew or (1.0,) * T

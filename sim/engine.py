@@ -226,11 +226,22 @@ class Simulation:
         self.spans: list[tuple] = []
         self.forward = StepTimes(cfg.forward, stream(cfg.seed, "forward"))
         self.idle = StepTimes(cfg.idle_step, stream(cfg.seed, "idle"))
+        # a calibrated run's measured residual of each pop's delay (None: alpha + beta x n)
+        self.cost_extra: StepTimes | None = (None if cfg.allreduce_extra is None else
+                                             StepTimes(cfg.allreduce_extra, stream(cfg.seed, "allreduce")))
         self.room_rtt = cfg.te_overhead_ms if self.variant.room_after_payload else 0.0
         # timeline code -> (kind, rank): a table lookup instead of a divmod per event
         self.decode = [divmod(code, T) for code in range(4 * T)]
         self.eager = eager or trace is not None
-        self.per_event = bool(cfg.stalls) or record_spans     # timelines built by _timeline_of
+        # timelines built by _timeline_of (the writer's queue needs each enqueue's time)
+        self.per_event = bool(cfg.stalls) or record_spans or cfg.writer is not None
+        self.writer_free = 0.0     # when the calibrated prefill writer is next free
+        # a calibrated e2e's KV page pool (cfg.page_pool; 0: not modelled)
+        self.page_pool = cfg.page_pool or 0
+        self.page_free = self.page_pool
+        self.page_held: deque[int] = deque()      # committed requests' pages, oldest first
+        self.pages_freed = False                  # this decode step freed held pages
+        self.pages_of: list[int] = workload.input_len.tolist() if self.page_pool else []
         self.lazy: list[tuple[float, int, _Timeline]] = []   # heap of waiting timelines
         self.active: dict[int, _Timeline] = {}                # queued request -> its lazy timeline
         self.end_ms = 0.0
@@ -316,7 +327,23 @@ class Simulation:
         while prealloc and self.in_pool < pool:
             if not spec.admitting():      # the spec's admission rule (agreed, or per rank)
                 return
+            if self.page_pool and not self._take_pages(self.pages_of[prealloc[0]]):
+                return
             self._enqueue(prealloc.popleft(), now)
+
+    def _take_pages(self, need: int) -> bool:
+        """A calibrated e2e's KV pages (cfg.page_pool): committed requests keep theirs
+        until an admission is short, which frees the oldest, once per decode step and
+        only enough for the first waiting request (the e2e's byte check, rank.py)."""
+        if self.page_free < need and not self.pages_freed:
+            self.pages_freed = True
+            held = self.page_held
+            while held and self.page_free < need:
+                self.page_free += held.popleft()
+        if self.page_free < need:
+            return False
+        self.page_free -= need
+        return True
 
     def _shift_stalls(self, k: int, t: float) -> float:
         """``t`` moved past any stall of rank ``k`` that covers it."""
@@ -381,6 +408,7 @@ class Simulation:
         self.in_pool += 1
         if self.per_event:
             tl = self._timeline_of(i, now)
+            self.enqueued_ms[i] = now
         else:
             rel, codes, count, _, kv_all, sets = layout
             at = j * 3 * self.T                        # 3 * ranks events per request
@@ -412,6 +440,8 @@ class Simulation:
         fr = int(ch.fail_rank[j])
         extra = float(ch.late_ms[j]) if fr >= 0 else 0.0
         xfer, lag, lost = ch.xfer_ms[j].tolist(), ch.lag_ms[j].tolist(), ch.lost[j].tolist()
+        if self.cfg.writer is not None:
+            xfer, lag = self._written(now, xfer, lag)
         write_end = [-math.inf] * T
         events: list[tuple[float, int]] = []
         kv_all = -math.inf
@@ -435,6 +465,35 @@ class Simulation:
         events.sort()
         times, codes = zip(*events)
         return _Timeline(i, 0.0, array("d", times), array("q", codes))
+
+    def _written(self, now: float, service: list[float], waits: list[float]
+                 ) -> tuple[list[float], list[float]]:
+        """A request enqueued at ``now`` through the calibrated prefill writer (a FIFO
+        server, sim/config.py WriterFit) whose KV writes take ``service`` per rank:
+        each rank's Success (relative to ``now``) and its row's lag after it. A delayed
+        row waits ``waits`` (drawn from measured waits) or, without measurements, the
+        backlog the request found."""
+        w = self.cfg.writer
+        assert w is not None
+        free = self.writer_free
+        # a delayed row's writes queue behind the backlog of their time, taken to be the
+        # backlog this request found (the queue's later arrivals are not known yet)
+        backlog = max(0.0, free - now - w.xfer_delay_ms)
+        xfer: list[float] = []
+        lag: list[float] = []
+        for k in range(self.T):
+            kv = max(now + w.xfer_delay_ms, free) + service[k]
+            delay = w.delay_ms[k]
+            if delay > 0:           # Success first, the row (payload, room) later
+                success, free = kv + w.push_ms, kv
+                land = kv + delay + (backlog + 2 * w.room_ms if w.queue_delayed else waits[k])
+            else:                   # the room, then Success
+                free = kv + w.room_ms
+                success, land = free + w.push_ms, free
+            xfer.append(success - now)
+            lag.append(max(0.0, land - success))
+        self.writer_free = free
+        return xfer, lag
 
     def _schedule(self, tl: _Timeline) -> None:
         """Deliver ``tl``'s remaining events at their times, by SimPy events."""
@@ -593,6 +652,7 @@ class Simulation:
         t = env.now                          # the scheduler's clock (>= SimPy's)
         limit_ms = cfg.max_sim_s * 1000.0
         alpha, beta = cfg.allreduce_alpha_ms, cfg.allreduce_beta_ms     # the all-reduce's cost
+        extra = self.cost_extra
         # protocol steps bound the work (decode steps are bounded by the output tokens)
         max_steps = cfg.max_steps if cfg.max_steps is not None else 10**5 + 1000 * n
         deadline = None if self.wall_limit_s is None else time.perf_counter() + self.wall_limit_s
@@ -634,6 +694,8 @@ class Simulation:
                 if rec.popped[0] and self.active:
                     self._leave(rec.popped[0])
                 cost = alpha + beta * queued
+                if extra is not None:
+                    cost = max(cost + extra.next(), 0.0)
                 if self.record:
                     self.spans.append(("step", -1, rec.step, s, s + cost))
                 t = s + cost
@@ -653,6 +715,7 @@ class Simulation:
                 if running and running[0][0] <= done:
                     self._decoded(done, t)
                 if prealloc:
+                    self.pages_freed = False
                     self._admit(t)
                 if not running:
                     t += idle()
@@ -686,7 +749,11 @@ class Simulation:
                 write_end.pop(r, None)      # a commit gets no fence
                 commit_ms[r] = now
                 heapq.heappush(running, (first_step + output_len[r], r))
+                if self.page_pool:
+                    self.page_held.append(self.pages_of[r])
             else:
+                if self.page_pool:
+                    self.page_free += self.pages_of[r]
                 aborted = True
                 self.in_pool -= 1
                 self._finish(now)
@@ -738,4 +805,4 @@ class Simulation:
                        np.frombuffer(self.commit_ms), np.frombuffer(self.kv_all_ms),
                        np.frombuffer(self.outcome, dtype=np.int8), self.spec.steps, self.decode_steps,
                        self.end_ms, wall, self.divergence, self.stuck, self.peak_in_flight, self.spans,
-                       self.cut_short)
+                       self.cut_short, np.frombuffer(self.enqueued_ms))

@@ -181,6 +181,12 @@ def build_config(args: argparse.Namespace, variant: str, ranks: int, lag: list[s
         late_write=parse_dist(args.late_write, "--late-write") if args.late_write else None,
         stalls=tuple(parse_stall(s, ranks) for s in args.stall),
         max_sim_s=args.max_sim_seconds, max_steps=args.max_steps)
+    if getattr(args, "calibration", None):
+        from sim import calibrated
+        calibrated.check_flags(args)
+        return calibrated.configure(cfg.validate(), calibrated.load(args.calibration),
+                                    args.transfer_model or "writer",
+                                    calibrated.parse_delays(args.metadata_delay), args.inflight)
     return cfg.validate()
 
 
@@ -220,6 +226,11 @@ def check_workload_flags(args: argparse.Namespace) -> None:
 def build_workload(args: argparse.Namespace, rate: float | None, seed: int) -> Workload:
     """The flags' workload; ``rate`` is the synthetic rate, or a replay's target mean rate."""
     check_workload_flags(args)
+    if getattr(args, "calibration", None):
+        from sim import calibrated
+        cal = calibrated.load(args.calibration)
+        return calibrated.workload(cal, args.requests or cal["setup"]["requests"],
+                                   stream(seed, "workload"))
     if args.trace_in:
         window = _window(args.trace_window) if args.trace_window else None
         blocks = DEFAULT_CACHE_BLOCKS if args.prefix_cache_blocks is None else args.prefix_cache_blocks

@@ -90,6 +90,9 @@ def table(rows: list[dict[str, Any]], keys: tuple[str, ...] = SUMMARY_KEYS) -> s
 
 def step_note(run: RunData) -> str:
     """Gate delay is measured in scheduler steps: say which step time it reflects."""
+    if run.cfg.allreduce_extra is not None:
+        return ("note: gate delay is bounded by the decode step: here the measured step and "
+                "pop-delay traces of the calibration (--calibration)")
     return (f"note: gate delay is bounded by the decode step (--forward {run.cfg.forward}): a row "
             f"that lands just after a poll waits for the next one; give a measured step time "
             f"distribution with --forward empirical:FILE")

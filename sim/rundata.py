@@ -45,3 +45,4 @@ class RunData:
     peak_in_flight: int            # most requests arrived and not yet done at once
     spans: list[tuple] = field(default_factory=list)   # Perfetto data, when recorded
     cut_short: str | None = None   # the run hit --max-sim-seconds or --max-steps
+    enqueue_ms: np.ndarray | None = None   # when each request was enqueued (0 if never)

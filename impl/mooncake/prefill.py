@@ -89,6 +89,9 @@ class PrefillServer:
         self.kv_bytes_written = 0
         self.write_seconds, self.first_write, self.last_write = 0.0, float("inf"), 0.0
         self.write_log: list[tuple[str, list[Write]]] = []  # what the baseline replays
+        # (room, rank) -> [KV batch written, room written], monotonic (one clock for every
+        # process on the host): when the bytes landed, not when a rank saw them
+        self.landed: dict[tuple[int, int], list[float | None]] = {}
         self._replayed = 0
         total = sum(s.n_pages for s in specs) * page_bytes * ranks
         if total > MAX_SOURCE_BYTES:
@@ -338,6 +341,12 @@ class PrefillServer:
             self.kv_bytes_written += kv_bytes
             self.write_log.append((session, writes))
 
+    def _landed(self, job: _Job, which: int) -> None:
+        """Stamp when the KV batch (0) or the room (1) of ``job`` finished writing."""
+        now = time.monotonic()
+        with self._lock:
+            self.landed.setdefault((job.spec.room, job.rank), [None, None])[which] = now
+
     def _advance(self, job: _Job) -> None:
         """kv (+ payload fields, same batch) -> room alone -> Success. Faults split the
         payload off the KV batch (so it can be late or missing)."""
@@ -348,6 +357,7 @@ class PrefillServer:
             split = bool(f.stall_s or delay or job.rank in f.drop_metadata)
             meta = [] if split else self._meta_writes(job, room_field=False)
             self._write(session, kv + meta, kv_bytes=sum(w.nbytes for w in kv))
+            self._landed(job, 0)
             job.stage = "meta" if split else "room"
             if f.stall_s:
                 time.sleep(f.stall_s)
@@ -367,6 +377,7 @@ class PrefillServer:
             self._write(session, self._meta_writes(job, room_field=False))
         # The room goes alone, once the payload write returned (room_after_payload).
         self._write(session, self._meta_writes(job, room_field=True))
+        self._landed(job, 1)
         job.stage = "done"
         if not delay:
             self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
@@ -389,6 +400,12 @@ class PrefillServer:
         for session, writes in log_:
             self.engine.submit_and_wait(session, writes)
         return nbytes, t1 - t0, time.perf_counter() - t1
+
+    def landings(self) -> list[list[float | int | None]]:
+        """[room, rank, KV written, room written] per job (times monotonic seconds, None
+        for a write that did not happen)."""
+        with self._lock:
+            return [[room, rank, *times] for (room, rank), times in self.landed.items()]
 
     def idle(self) -> bool:
         with self._lock:

@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 if cmd == "stats":
                     out = {"kv_bytes": server.kv_bytes_written, "dropped": server.dropped,
                            "rejected": server.rejected, "idle": server.idle(), "write_seconds": server.write_seconds,
-                           "write_span_seconds": max(0.0, server.last_write - server.first_write)}
+                           "write_span_seconds": max(0.0, server.last_write - server.first_write),
+                           "landings": server.landings()}
                 elif cmd == "baseline" and args.allow_baseline:
                     nbytes, seconds, submit_seconds = server.raw_baseline()
                     out = {"bytes": nbytes, "seconds": seconds, "submit_seconds": submit_seconds}

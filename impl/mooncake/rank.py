@@ -96,6 +96,7 @@ class DecodeRank:
         self.quitting = False
         self.results: list[dict[str, Any]] = []
         self.step_starts: list[float] = []
+        self.arrived: dict[int, float] = {}     # request -> when its serve command was read
         self.phase: list[dict[str, Any]] = []      # outcomes since the last idle report
         self.unchecked: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         # ^ committed, row and KV not yet checked: (outcome record, the row read at commit)
@@ -112,8 +113,10 @@ class DecodeRank:
             elif cmd.get("cmd") == "serve":
                 specs = make_requests(cmd["offset"] + cmd["count"], self.a.seed,
                                       self.a.min_pages, self.a.max_pages)[cmd["offset"]:]
+                now = time.monotonic()
                 for s in specs:
                     self.backlog.append((s, cmd["endpoint"]))
+                    self.arrived[s.index] = now
                 self.outstanding += len(specs)
         if self.stdin.closed:                 # the parent is gone
             self.quitting = True
@@ -174,7 +177,11 @@ class DecodeRank:
         self.outstanding -= 1
         rec = {"rank": self.rank, "req": idx, "room": t.spec.room, "step": self.queue.steps - 1,
                "decision": res.decision.name.lower(), "t_pop": time.monotonic(),
-               "t_last_byte": t.t_last_byte, "local": t.receiver.poll(), "t_enq": t.t_enq}
+               "t_last_byte": t.t_last_byte, "local": t.receiver.poll(), "t_enq": t.t_enq,
+               # when it arrived, its Success came in (I/O thread), its row was seen, and
+               # when the step that popped it started (the e2e's true timeline)
+               "t_arrive": self.arrived.pop(idx, None), "t_success": t.receiver.success_at,
+               "t_row_seen": t.t_land, "t_step": self.step_starts[-1]}
         if isinstance(res, Committed):
             rec.update(token_ok=res.first_token == t.spec.first_token, row_ok=None, kv_ok=None,
                        kv_bytes=len(t.pages) * self.a.page_bytes)

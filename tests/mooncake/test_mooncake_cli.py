@@ -63,6 +63,15 @@ def test_e2e_with_a_delayed_row_holds_the_gate_and_validates(tmp_path, capsys):
     assert figs["byte_exact"] is True
     assert figs["gate_holds"] > 0            # rank 1 saw Success 40 ms before its row
     assert figs["commit_latency_max_steps"] <= 1
+    # the true timeline: the prefill's own stamps, not when the ranks saw them
+    reqs = figs["timeline"]["requests"]
+    assert len(reqs) == 8 and all(r["committed"] for r in reqs)
+    for r in reqs:
+        assert r["room"][1] - r["kv"][1] >= 39.9        # rank 1's row, written 40 ms after its KV
+        assert r["room"][0] <= r["success"][0] <= r["pop"][0]   # rank 0: row, then Success
+        assert r["success"][1] < r["room"][1]            # rank 1: Success first
+    assert figs["gate_delay_p50_ms"] >= 35 and figs["ttft_p50_ms"] >= figs["enqueue_commit_p50_ms"]
+    assert figs["setup"]["metadata_delay_ms"] == {"1": 40.0}
     with open(trace, encoding="utf-8") as fp:
         result = validate(fp)
     assert result.ok, result.message
