@@ -112,16 +112,18 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         trace_valid, trace_message = False, f"trace not written: {exc}"
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out.update(ranks=cfg.ranks, requests=cfg.requests, disagree=None, dropped_frames=0,
-               rejected_frames=0)
+               rejected_frames=0, broken_connections=0)
     if results is not None:
         out.update(figures(results, logs, cfg.requests))
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
+    out["broken_connections"] += prefill_stats.get("broken", 0)   # garbage, oversized frames
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
     out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
                trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,
                work_dir=str(work), error=error,
-               disturbed=bool(out["dropped_frames"] or out["rejected_frames"] or unexplained),
+               disturbed=bool(out["dropped_frames"] or out["rejected_frames"]
+                              or out["broken_connections"] or unexplained),
                unexplained_aborts=unexplained)
     if baseline is not None and results is not None:
         # Same bytes both ways (KV + rows + rooms as written), so the ratio of times.
@@ -233,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         json.dump(out, fp, indent=2, sort_keys=True)
     if out["error"]:
         print(f"pdgate e2e: {out['error']}", file=sys.stderr)
-    for key in (*KEYS, "dropped_frames", "rejected_frames", "disturbed", "trace_valid"):
+    for key in (*KEYS, "dropped_frames", "rejected_frames", "broken_connections", "disturbed",
+                "trace_valid"):
         print(f"{key:24s} {out[key]}")
     if not out["trace_valid"]:
         print(f"trace: {out['trace_message']}")

@@ -234,6 +234,7 @@ class DecodeRank:
             json.dump({"rank": self.rank, "steps": self.queue.steps, "results": self.results,
                        "step_starts": self.step_starts, "dropped": self.transport.dropped,
                        "rejected": self.transport.rejected,
+                       "broken": self.transport.broken.count,
                        "slots": self.a.slots}, fp)
         self.log.fp.close()
         emit({"result": path})
@@ -261,14 +262,16 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every socket binds to")
     p.add_argument("--heartbeat-ms", type=number(10, 60_000), default=100.0,
                    help="ping period per prefill, 10..60000 ms")
-    p.add_argument("--heartbeat-misses", type=number(2, 10_000, integer=True), default=5,
-                   help="silent heartbeats before a prefill is declared dead, 2..10000")
+    p.add_argument("--heartbeat-misses", type=number(2, 10_000, integer=True), default=50,
+                   help="silent heartbeats before a prefill is declared dead, 2..10000 (and "
+                        "at least 8 of its slowest recent PONGs; a killed prefill is found "
+                        "at once by its closed connection)")
     p.add_argument("--fence-grace-s", type=number(0, 3600), default=30.0,
                    help="after a prefill died, wait this long before reusing its slots")
     p.add_argument("--collective-timeout-s", type=number(0, 3600, above=True), default=20.0)
     p.add_argument("--connect-timeout-s", type=number(0, 60, above=True), default=1.0,
-                   help="bound on one handshake with a prefill; a prefill that does not "
-                        "answer fails its requests at once")
+                   help="bound on a prefill accepting the handshake's connection; one "
+                        "that accepts but answers slowly gets the heartbeat window")
 
 
 def main(argv: list[str] | None = None) -> int:

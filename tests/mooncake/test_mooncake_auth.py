@@ -64,14 +64,30 @@ def test_forged_hello_is_rejected_and_the_real_rank_still_registers(two_ranks, e
         real.transport.close()
 
 
-def test_a_registered_rank_id_cannot_be_registered_again_even_with_its_key(two_ranks):
+def hello_from(sock, rank: int, body: bytes) -> list[bytes]:
+    """Send a HELLO for ``rank`` tagged with its key from ``sock``; the verified reply."""
+    key = auth.rank_key(SECRET, rank)
+    sock.send_multipart(auth.seal(key, auth.Channel(auth.TO_PREFILL, rank),
+                                  [fr.HELLO, fr.encode_rank(rank), body]))
+    assert sock.poll(5000), "no reply to HELLO"
+    reply = auth.unseal(key, auth.Channel(auth.REPLY, rank), sock.recv_multipart())
+    assert reply is not None
+    return reply
+
+
+def test_the_key_holder_may_say_hello_again_but_not_change_its_layout(two_ranks):
+    """A HELLO whose reply came late is sent again: the same layout gets HELLO_OK again
+    (and the request after it is served); another layout for the rank gets ERROR."""
     server, victim, specs, sock = two_ranks
-    hello = victim.transport.hello().encode()
-    sock.send_multipart(auth.seal(auth.rank_key(SECRET, 0), auth.Channel(auth.TO_PREFILL, 0),
-                                  [hello[0], fr.encode_rank(0), hello[1]]))
-    assert sock.poll(2000)
-    reply = auth.unseal(auth.rank_key(SECRET, 0), auth.Channel(auth.REPLY, 0), sock.recv_multipart())
-    assert reply is not None and reply[0] == fr.ERROR and b"already registered" in reply[1]
+    hello = victim.transport.hello().encode()[1]
+    assert hello_from(sock, 0, hello)[0] == fr.HELLO_OK
+    moved = json.loads(hello)
+    moved["kv"][0] += PAGE_BYTES                      # the pool somewhere else
+    reply = hello_from(sock, 0, json.dumps(moved).encode())
+    assert reply[0] == fr.ERROR and b"already registered" in reply[1]
+    spec = specs[5]
+    rec = victim.transport.start(spec.room, 5, victim.pages(spec.n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS and int(victim.room[5, 0]) == spec.room
 
 
 def test_forged_status_frames_are_rejected_and_the_request_commits(two_ranks):
