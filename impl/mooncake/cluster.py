@@ -116,6 +116,7 @@ class Cluster:
         self.ranks, self.workdir, self.host = ranks, Path(workdir), host
         self.secret = new_secret()
         self.workload, self.rank_args, self.timeout_s = workload, rank_args, timeout_s
+        self.deadline = time.monotonic() + timeout_s     # every child's lifetime ends by then
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.env.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -132,7 +133,7 @@ class Cluster:
         child = Child(name, argv, self.workdir, self.env)
         self.prefills.append(child)
         child.send({"secret": self.secret.hex()})
-        child.hello_line = child.read(60, "endpoint line")      # endpoint, session
+        child.hello_line = child.read(self.left(), "endpoint line")      # endpoint, session
         return child, child.hello_line["endpoint"]
 
     def start_ranks(self) -> list[dict[str, Any]]:
@@ -146,7 +147,13 @@ class Cluster:
             child = Child(f"rank{r}", argv, self.workdir, self.env)
             self.decode.append(child)
             child.send({"key": rank_key(self.secret, r).hex()})
-        return [c.read(90, "ready line") for c in self.decode]
+        return [c.read(self.left(), "ready line") for c in self.decode]
+
+    def left(self) -> float:
+        """Start-up waits follow the run's bound (``timeout_s``), not a fixed guess: a
+        loaded machine may take long to import torch, but never past the children's
+        lifetime."""
+        return max(1.0, self.deadline - time.monotonic())
 
     def serve(self, endpoint: str, offset: int, count: int) -> None:
         for c in self.decode:

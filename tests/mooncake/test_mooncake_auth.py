@@ -123,3 +123,51 @@ def test_oversized_frames_cost_the_sender_its_connection_not_the_server(two_rank
     # ZMQ dropped the oversized frames before any handler saw them.
     assert server.rejected == 0 and server.dropped == 0
     assert victim.transport.rejected == 0 and victim.transport.dropped == 0
+
+
+def test_a_replayed_xfer_is_ignored_before_and_after_its_request_landed(two_ranks):
+    """The exact XFER the rank sent (same tag: HMAC is deterministic), replayed on the
+    same connection, is dropped without a status: the request commits, and a replay
+    once it landed rewrites nothing. An XFER for the room with other pages still fails it."""
+    server, victim, specs, _ = two_ranks
+    server.faults.stall_s = 0.3
+    spec = specs[3]
+    pages = victim.pages(spec.n_pages)
+    rec = victim.transport.start(spec.room, 3, pages, server.endpoint)
+    sock = victim.transport._links[server.endpoint].sock
+    xfer = fr.Xfer(spec.room, 0, 3, pages).encode()
+    victim.transport._send(sock, xfer)                              # while it is written
+    assert settle(rec) == SUCCESS and int(victim.room[3, 0]) == spec.room
+    written = server.kv_bytes_written
+    victim.room[3] = 0
+    victim.transport._send(sock, xfer)                              # after it landed
+    wait_for(lambda: server.dropped >= 2, what="the replays to be dropped")
+    assert server.kv_bytes_written == written and not victim.room[3].any()
+    assert victim.transport.dropped == 0                          # no status for a replay
+    other = specs[4]
+    rec2 = victim.transport.start(other.room, 4, victim.pages(other.n_pages), server.endpoint)
+    assert settle(rec2) == SUCCESS
+    moved = fr.Xfer(other.room, 0, 4, victim.pages(other.n_pages)).encode()
+    victim.transport._send(sock, moved)                             # not a replay
+    wait_for(lambda: server.dropped >= 3, what="the changed XFER to be refused")
+    assert server.kv_bytes_written == written + other.n_pages * PAGE_BYTES
+
+
+def test_garbage_and_oversized_frames_are_counted_as_broken_connections(two_ranks):
+    """ZMQ drops these before any handler runs (no frame is rejected or dropped); the
+    listeners' monitors count them. A rank's own traffic counts nothing."""
+    import socket
+    server, victim, specs, sock = two_ranks
+    spec = specs[0]
+    assert settle(victim.transport.start(spec.room, 0, victim.pages(spec.n_pages),
+                                         server.endpoint)) == SUCCESS
+    assert server.broken.count == 0 and victim.transport.broken.count == 0
+    for endpoint in (server.endpoint, victim.transport.status_endpoint):
+        host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")      # no ZMTP at all
+    sock.send_multipart([fr.XFER, fr.encode_rank(0), b"\0" * (fr.MAX_TO_PREFILL_PART + 1),
+                         b"\0" * auth.TAG_BYTES])
+    wait_for(lambda: server.broken.count >= 2 and victim.transport.broken.count >= 1,
+             what="the broken connections to be counted")
+    assert server.rejected == 0 and server.dropped == 0
