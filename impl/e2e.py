@@ -40,6 +40,7 @@ class E2EConfig:
     host: str = "127.0.0.1"
     step_ms: float = 2.0
     work_dir: str | None = None       # rank logs, stderr, default JSON and trace
+    netns: bool = False               # children in a private network namespace (loopback only)
     # Tests only: called with (cluster, prefill) once the ranks were told to serve
     # (an attacker, a kill), to check what the run then reports.
     during: Callable[[Any, Any], None] | None = None
@@ -76,7 +77,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     if cfg.timeout_steps is not None:
         rank_args += ["--timeout-steps", str(cfg.timeout_steps)]
     cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
-                      timeout_s=cfg.timeout_s)
+                      timeout_s=cfg.timeout_s, netns=cfg.netns)
     error, results, baseline, prefill_stats = None, None, None, {}
     try:
         extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
@@ -121,7 +122,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
     out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
                trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,
-               work_dir=str(work), error=error,
+               work_dir=str(work), error=error, netns=cfg.netns,
                disturbed=bool(out["dropped_frames"] or out["rejected_frames"]
                               or out["broken_connections"] or unexplained),
                unexplained_aborts=unexplained)
@@ -162,6 +163,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank logs, the JSON and the trace by default (default: a new temporary "
                         "folder; kept, with the rank logs, when the run fails)")
     p.add_argument("--keep-logs", action="store_true", help="keep the rank logs of a good run too")
+    p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
+                   help="run the prefill and ranks in a private network namespace with only a "
+                        "loopback, so no other process reaches Mooncake's listeners (needs root "
+                        "and nsenter; auto: when available)")
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
@@ -211,6 +216,16 @@ def run(args: argparse.Namespace) -> int:
             _import_engine()
         except Exception as exc:      # MooncakeUnavailable: one line, no traceback
             problem = str(exc)
+    netns = args.netns == "on"
+    if problem is None and args.netns != "off":
+        from impl.mooncake.netns import problem as netns_problem
+        why = netns_problem()
+        netns = why is None
+        if why and args.netns == "on":
+            problem = f"--netns on: {why}"
+        elif why:
+            print(f"pdgate e2e: no private network namespace ({why}); Mooncake's listeners "
+                  f"are reachable by other local processes", file=sys.stderr)
     if problem:
         print(f"pdgate e2e: {problem}", file=sys.stderr)
         return 2
@@ -227,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
                     rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps,
                                                  args.gate_timeout_s),
                     args.slots, args.baseline, args.trace, args.timeout_s, args.host,
-                    args.step_ms, args.work_dir)
+                    args.step_ms, args.work_dir, netns=netns)
     out = run_e2e(cfg)
     ok = run_ok(out)
     json_path = args.json or str(Path(out["work_dir"]) / "e2e.json")
