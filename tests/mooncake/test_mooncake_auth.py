@@ -171,3 +171,27 @@ def test_garbage_and_oversized_frames_are_counted_as_broken_connections(two_rank
     wait_for(lambda: server.broken.count >= 2 and victim.transport.broken.count >= 1,
              what="the broken connections to be counted")
     assert server.rejected == 0 and server.dropped == 0
+
+
+def test_a_connection_and_frame_flood_does_not_get_a_live_prefill_declared_dead(two_ranks):
+    """200 connections of garbage and 20,000 frames with bad tags while a request is
+    being written: every frame is rejected, the rank's heartbeats (a 1 s window) still
+    get through, and the request commits."""
+    import socket
+    server, victim, specs, sock = two_ranks
+    server.faults.stall_s = 0.5
+    spec = specs[4]
+    rec = victim.transport.start(spec.room, 4, victim.pages(spec.n_pages), server.endpoint)
+    host, port = server.endpoint[len("tcp://"):].rsplit(":", 1)
+    raws = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]
+    for raw in raws:
+        raw.sendall(b"\xff" * 64)
+    junk = [fr.PING, fr.encode_rank(0), b"\0" * 10, b"\0" * auth.TAG_BYTES]
+    for _ in range(20_000):
+        sock.send_multipart(junk)
+    for raw in raws:
+        raw.close()
+    assert settle(rec, timeout=15) == SUCCESS
+    wait_for(lambda: server.rejected >= 20_000, timeout=30, what="the flood to be rejected")
+    wait_for(lambda: server.broken.count >= 200, what="the garbage connections to be counted")
+    assert victim.transport._links[server.endpoint].alive
