@@ -96,12 +96,15 @@ class DecodeTransport:
                  room_field: str = "bootstrap_room", host: str = "127.0.0.1",
                  heartbeat_s: float = 0.2, heartbeat_misses: int = 25,
                  fence_grace_s: float = 30.0, connect_timeout_s: float = 1.0,
-                 retry_s: float = 5.0, *, key: bytes):
+                 retry_s: float = 5.0, hello_wait_max_s: float = 10.0, *, key: bytes):
         if room_field not in {f.name for f in fields}:
             raise ValueError(f"room field {room_field!r} is not among the metadata fields")
         self.rank, self.engine, self.kv, self.fields = rank, engine, kv, fields
         self.room_field, self.host = room_field, host
         self.connect_timeout_s, self.retry_s = connect_timeout_s, retry_s
+        # The HELLO blocks the rank's scheduler thread: the other ranks wait for it in
+        # their next collective, so the wait stays well inside their timeout.
+        self.hello_wait_max_s = hello_wait_max_s
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         self.fence_grace_s = fence_grace_s
         self._key = key
@@ -219,8 +222,9 @@ class DecodeTransport:
             now = time.monotonic()
             if not link.connected and now - start > self.connect_timeout_s:
                 return f"accepted no connection within {self.connect_timeout_s:g} s"
-            if link.connected and now - connected_at > self.silence_limit(link):
-                return f"did not answer HELLO within {self.silence_limit(link):g} s"
+            limit = min(self.silence_limit(link), self.hello_wait_max_s)
+            if link.connected and now - connected_at > limit:
+                return f"did not answer HELLO within {limit:g} s"
             ready = dict(poller.poll(timeout=50))
             if link.sock in ready:
                 return None

@@ -108,6 +108,8 @@ class PrefillServer:
         self._regions = [engine.register("prefill-kv", self._src_base, self._src.nbytes)]
         self._meta: dict[str, np.ndarray] = {}          # field -> (requests, item_bytes) rows
         self._row_of = {s.room: i for i, s in enumerate(specs)}
+        self._filled: set[int] = set()      # rows written into self._meta (at first XFER)
+        self._specs_list = list(specs)
         self._ranks: dict[int, _Rank] = {}
         self._identity_rank: dict[bytes, int] = {}
         self._jobs: dict[tuple[int, int], _Job] = {}
@@ -259,9 +261,12 @@ class PrefillServer:
         return hello.rank
 
     def _build_rows(self, name: str, item_bytes: int) -> np.ndarray:
+        """The field's rows, registered; only those already requested are filled in (the
+        rest at their first XFER: filling all of them here made the first HELLO take
+        seconds for a big workload, and a rank takes a silent prefill for a dead one)."""
         rows = np.zeros((max(len(self.specs), 1), item_bytes), dtype=np.uint8)
-        for room, i in self._row_of.items():
-            rows[i] = np.frombuffer(metadata_row(self.specs[room], name, item_bytes), dtype=np.uint8)
+        for i in self._filled:
+            rows[i] = np.frombuffer(metadata_row(self._specs_list[i], name, item_bytes), np.uint8)
         self._regions.append(self.engine.register(f"prefill-meta-{name}", rows.ctypes.data,
                                                   rows.nbytes))
         return rows
@@ -291,10 +296,19 @@ class PrefillServer:
             if problem is None:
                 job = _Job(spec, x.rank, x)
                 self._jobs[(x.room, x.rank)] = job
+                self._fill_row(self._row_of[x.room])
         if problem is not None:
             self._send_status(x.rank, x.room, fr.STATUS_FAILED)
             raise fr.FrameError(f"XFER room {x.room} rank {x.rank}: {problem}")
         self._work.put(job)
+
+    def _fill_row(self, i: int) -> None:
+        """Request ``i``'s row in every field, once (caller holds the lock)."""
+        if i in self._filled:
+            return
+        for name, rows in self._meta.items():
+            rows[i] = np.frombuffer(metadata_row(self._specs_list[i], name, rows.shape[1]), np.uint8)
+        self._filled.add(i)
 
     def _on_abort(self, room: int, rank: int) -> None:
         with self._lock:

@@ -77,7 +77,8 @@ class DecodeRank:
         self.transport = DecodeTransport(
             self.rank, self.engine, BufferSpec("kv", self.pool.data_ptr(), a.page_bytes, a.pages),
             fields, host=a.host, heartbeat_s=a.heartbeat_ms / 1000, heartbeat_misses=a.heartbeat_misses,
-            fence_grace_s=a.fence_grace_s, connect_timeout_s=a.connect_timeout_s, key=key)
+            fence_grace_s=a.fence_grace_s, connect_timeout_s=a.connect_timeout_s,
+            hello_wait_max_s=a.collective_timeout_s / 2, key=key)
         # Our own store (bound to --host, not every interface), not init_method="tcp://".
         store = rendezvous_store(a.host, a.master_port, a.world, is_master=self.rank == 0,
                                  timeout_s=a.collective_timeout_s)
