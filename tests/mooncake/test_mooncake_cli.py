@@ -42,6 +42,16 @@ def test_usage_errors_are_one_line(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1 and err.startswith("pdgate e2e:")
 
 
+def test_netns_on_where_no_namespace_can_be_made_is_one_line(monkeypatch, capsys):
+    """``--netns on`` refuses to run unconfined (here: nsenter hidden from it)."""
+    import impl.mooncake.netns as netns
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    assert exit_code(["e2e", "--netns", "on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdgate e2e: --netns on:") and "nsenter" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_malformed_delay_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["e2e", "--metadata-delay", "one:two"])
