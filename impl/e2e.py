@@ -255,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key:24s} {out[key]}")
     if not out["trace_valid"]:
         print(f"trace: {out['trace_message']}")
+    if out.get("abort_reasons"):         # the ranks' own words, not only the prefill's stderr
+        print(f"abort reasons: {json.dumps(out['abort_reasons'])}")
     print(f"json {json_path}; trace {out['trace']}")
     if ok and not args.keep_logs:
         _remove_rank_files(Path(out["work_dir"]), args.ranks)

@@ -180,8 +180,11 @@ class DecodeRank:
             rec.update(token_ok=res.first_token == t.spec.first_token, row_ok=None, kv_ok=None,
                        kv_bytes=len(t.pages) * self.a.page_bytes)
             self.unchecked[idx] = (rec, res.fields)      # the queue's own copy of the row
-        elif not t.done:
-            self.transport.abort(t.spec.room)        # ask for a fence before reuse
+        else:
+            failed = t.receiver.failure_exception()    # None: the MIN or strict's timeout
+            rec["why"] = failed.reason[:200] if failed is not None else "another rank or the timeout"
+            if not t.done:
+                self.transport.abort(t.spec.room)    # ask for a fence before reuse
         self.results.append(rec)
         self.phase.append(rec)
 

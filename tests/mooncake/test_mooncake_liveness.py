@@ -47,6 +47,7 @@ def test_the_same_freeze_past_a_short_window_aborts(tmp_path):
     out = run_e2e(_config(tmp_path, lambda cluster, prefill: _freeze(prefill, 1.5, prefill),
                           misses=5))
     assert out["aborted"] > 0 and out["lost"] == 0 and out["disagree"] == 0, out
+    assert any("missed heartbeats" in why for why in out["abort_reasons"]), out  # said, not only logged
     assert not run_ok(out)
 
 
