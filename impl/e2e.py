@@ -41,6 +41,7 @@ class E2EConfig:
     host: str = "127.0.0.1"
     step_ms: float = 2.0
     work_dir: str | None = None       # rank logs, stderr, default JSON and trace
+    netns: bool = False               # children in a private network namespace (loopback only)
     # Tests only: called with (cluster, prefill) once the ranks were told to serve
     # (an attacker, a kill), to check what the run then reports.
     during: Callable[[Any, Any], None] | None = None
@@ -91,7 +92,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     if cfg.timeout_steps is not None:
         rank_args += ["--timeout-steps", str(cfg.timeout_steps)]
     cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
-                      timeout_s=cfg.timeout_s)
+                      timeout_s=cfg.timeout_s, netns=cfg.netns)
     error, results, baseline, prefill_stats = None, None, None, {}
     try:
         extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
@@ -127,18 +128,20 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         trace_valid, trace_message = False, f"trace not written: {exc}"
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out.update(ranks=cfg.ranks, requests=cfg.requests, disagree=None, dropped_frames=0,
-               rejected_frames=0)
+               rejected_frames=0, broken_connections=0)
     if results is not None:
         out.update(figures(results, logs, cfg.requests))
         out.update(timeline(results, logs, prefill_stats.get("landings", [])))
     out["setup"] = setup(cfg)
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
+    out["broken_connections"] += prefill_stats.get("broken", 0)   # garbage, oversized frames
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
     out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
                trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,
-               work_dir=str(work), error=error,
-               disturbed=bool(out["dropped_frames"] or out["rejected_frames"] or unexplained),
+               work_dir=str(work), error=error, netns=cfg.netns,
+               disturbed=bool(out["dropped_frames"] or out["rejected_frames"]
+                              or out["broken_connections"] or unexplained),
                unexplained_aborts=unexplained)
     if baseline is not None and results is not None:
         # Same bytes both ways (KV + rows + rooms as written), so the ratio of times.
@@ -177,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rank logs, the JSON and the trace by default (default: a new temporary "
                         "folder; kept, with the rank logs, when the run fails)")
     p.add_argument("--keep-logs", action="store_true", help="keep the rank logs of a good run too")
+    p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
+                   help="run the prefill and ranks in a private network namespace with only a "
+                        "loopback, so no other process reaches Mooncake's listeners (needs root "
+                        "and nsenter; auto: when available)")
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
@@ -226,6 +233,16 @@ def run(args: argparse.Namespace) -> int:
             _import_engine()
         except Exception as exc:      # MooncakeUnavailable: one line, no traceback
             problem = str(exc)
+    netns = args.netns == "on"
+    if problem is None and args.netns != "off":
+        from impl.mooncake.netns import problem as netns_problem
+        why = netns_problem()
+        netns = why is None
+        if why and args.netns == "on":
+            problem = f"--netns on: {why}"
+        elif why:
+            print(f"pdgate e2e: no private network namespace ({why}); Mooncake's listeners "
+                  f"are reachable by other local processes", file=sys.stderr)
     if problem:
         print(f"pdgate e2e: {problem}", file=sys.stderr)
         return 2
@@ -242,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                     rank_args, timeout_steps_for(args.variant, args.step_ms, args.timeout_steps,
                                                  args.gate_timeout_s),
                     args.slots, args.baseline, args.trace, args.timeout_s, args.host,
-                    args.step_ms, args.work_dir)
+                    args.step_ms, args.work_dir, netns=netns)
     out = run_e2e(cfg)
     ok = run_ok(out)
     json_path = args.json or str(Path(out["work_dir"]) / "e2e.json")
@@ -250,10 +267,13 @@ def run(args: argparse.Namespace) -> int:
         json.dump(out, fp, indent=2, sort_keys=True)
     if out["error"]:
         print(f"pdgate e2e: {out['error']}", file=sys.stderr)
-    for key in (*KEYS, "dropped_frames", "rejected_frames", "disturbed", "trace_valid"):
+    for key in (*KEYS, "dropped_frames", "rejected_frames", "broken_connections", "disturbed",
+                "trace_valid"):
         print(f"{key:24s} {out[key]}")
     if not out["trace_valid"]:
         print(f"trace: {out['trace_message']}")
+    if out.get("abort_reasons"):         # the ranks' own words, not only the prefill's stderr
+        print(f"abort reasons: {json.dumps(out['abort_reasons'])}")
     print(f"json {json_path}; trace {out['trace']}")
     if ok and not args.keep_logs:
         _remove_rank_files(Path(out["work_dir"]), args.ranks)

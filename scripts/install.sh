@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 patch >/dev/null
+# util-linux: nsenter, for `pdgate e2e`'s private network namespace (impl/mooncake/netns.py); patch: conform's diffs
+$SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 util-linux patch >/dev/null
 python -m pip install -q --root-user-action=ignore torch==2.13.0
 python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
 # setup.py compiles the simulator's hot modules with mypyc where a C compiler is there

@@ -35,12 +35,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Child:
     """A child process speaking one JSON object per line on stdin/stdout."""
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, env: dict[str, str]):
+    def __init__(self, name: str, argv: list[str], workdir: Path, env: dict[str, str],
+                 pass_fds: tuple[int, ...] = ()):
         self.name = name
         self.err_path = workdir / f"{name}.stderr"
         self._err = open(self.err_path, "wb")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=env, cwd=str(REPO))
+                                     stderr=self._err, env=env, cwd=str(REPO), pass_fds=pass_fds)
         self._buf = b""
 
     def send(self, obj: dict[str, Any] | str) -> None:
@@ -109,13 +110,20 @@ class Child:
 
 class Cluster:
     """One deployment: a fresh secret (impl.mooncake.auth) handed to every prefill and,
-    as its own key, to every decode rank on their stdin before they open any socket."""
+    as its own key, to every decode rank on their stdin before they open any socket.
+    With ``netns`` every child runs in one private network namespace with only a
+    loopback (impl.mooncake.netns): nothing outside reaches Mooncake's listeners."""
 
     def __init__(self, ranks: int, workdir: Path, workload: list[str], rank_args: list[str],
-                 host: str = "127.0.0.1", timeout_s: float = 120.0):
+                 host: str = "127.0.0.1", timeout_s: float = 120.0, netns: bool = False):
         self.ranks, self.workdir, self.host = ranks, Path(workdir), host
+        self.net = None
+        if netns:
+            from impl.mooncake.netns import PrivateNet
+            self.net = PrivateNet()
         self.secret = new_secret()
         self.workload, self.rank_args, self.timeout_s = workload, rank_args, timeout_s
+        self.deadline = time.monotonic() + timeout_s     # every child's lifetime ends by then
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
         self.env.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -123,16 +131,21 @@ class Cluster:
         self.decode: list[Child] = []
         self.master_port: int | None = None     # the gloo store (rank 0), once started
 
+    def _child(self, name: str, argv: list[str]) -> Child:
+        if self.net is None:
+            return Child(name, argv, self.workdir, self.env)
+        return Child(name, self.net.wrap(argv), self.workdir, self.env, (self.net.fd,))
+
     def start_prefill(self, offset: int, count: int, extra: list[str] = ()) -> tuple[Child, str]:
         name = f"prefill{len(self.prefills)}"
         argv = [sys.executable, "-m", "impl.mooncake.prefill_main", *self.workload,
                 "--requests", str(count), "--request-offset", str(offset),
                 "--ranks", str(self.ranks), "--host", self.host,
                 "--lifetime-s", str(self.timeout_s), *extra]
-        child = Child(name, argv, self.workdir, self.env)
+        child = self._child(name, argv)
         self.prefills.append(child)
         child.send({"secret": self.secret.hex()})
-        child.hello_line = child.read(60, "endpoint line")      # endpoint, session
+        child.hello_line = child.read(self.left(), "endpoint line")      # endpoint, session
         return child, child.hello_line["endpoint"]
 
     def start_ranks(self) -> list[dict[str, Any]]:
@@ -143,10 +156,16 @@ class Cluster:
                     "--rank", str(r), "--world", str(self.ranks), "--master-port", str(port),
                     "--host", self.host, "--log", str(self.workdir / f"rank{r}.jsonl"),
                     "--lifetime-s", str(self.timeout_s)]
-            child = Child(f"rank{r}", argv, self.workdir, self.env)
+            child = self._child(f"rank{r}", argv)
             self.decode.append(child)
             child.send({"key": rank_key(self.secret, r).hex()})
-        return [c.read(90, "ready line") for c in self.decode]
+        return [c.read(self.left(), "ready line") for c in self.decode]
+
+    def left(self) -> float:
+        """Start-up waits follow the run's bound (``timeout_s``), not a fixed guess: a
+        loaded machine may take long to import torch, but never past the children's
+        lifetime."""
+        return max(1.0, self.deadline - time.monotonic())
 
     def serve(self, endpoint: str, offset: int, count: int) -> None:
         for c in self.decode:
@@ -181,3 +200,5 @@ class Cluster:
     def close(self) -> None:
         for c in [*self.decode, *self.prefills]:
             c.kill()
+        if self.net is not None:
+            self.net.close()

@@ -10,9 +10,15 @@ an authenticated frame that is malformed or not expected is counted in ``dropped
 Nothing is touched before a frame passed every check.
 
 A prefill that cannot be reached fails fast: the handshake waits at most
-``connect_timeout_s``, and for ``retry_s`` after a failed handshake or a death the
-endpoint is not tried again, so a whole backlog of requests for a dead prefill fails
-in the step that admits it instead of blocking the rank once per request.
+``connect_timeout_s`` for a connection, and for ``retry_s`` after a failed handshake or
+a death the endpoint is not tried again, so a whole backlog of requests for a dead
+prefill fails in the step that admits it instead of blocking the rank once per request.
+
+A prefill that is reachable but slow (CPU load, a big first HELLO) is not dead: it is
+declared dead only when its connection closes (killed) or after it stayed silent for
+the liveness window (``silence_limit``): at least ``heartbeat_misses`` heartbeats, and
+at least ``RTT_FACTOR`` times the slowest recent PONG, counting only time this rank's
+own I/O thread was running, and only after it drained what had arrived.
 """
 from __future__ import annotations
 
@@ -27,9 +33,12 @@ import zmq.utils.monitor
 from impl.mooncake import auth
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Region
+from impl.mooncake.monitor import BrokenConnections
 from impl.mooncake.receiver import FAILED, SUCCESS, MooncakeKVReceiver
 
 log = logging.getLogger("pdgate.mooncake.decode")
+RTT_FACTOR = 8.0        # the liveness window is at least this many slowest recent PONGs
+RTT_DECAY = 0.99        # per PONG: how fast a past slow PONG is forgotten
 
 
 class BootstrapError(MooncakeError):
@@ -61,7 +70,10 @@ class PrefillLink:
     sock: zmq.Socket                      # main thread only: HELLO, XFER, ABORT
     monitor: zmq.Socket                   # I/O thread only: sock's connection events
     alive: bool = True
+    connected: bool = False               # the TCP connection is up (monitor events)
     last_pong: float = field(default_factory=time.monotonic)
+    slowest_rtt: float = 0.0              # decaying maximum of PING -> PONG times
+    pings: dict[int, float] = field(default_factory=dict)    # seq -> sent at
     dead_at: float | None = None        # until fenced after fence_grace_s
     died_at: float | None = None        # when it was found dead (kept)
 
@@ -71,7 +83,6 @@ class _Watch:
     link: PrefillLink
     sock: zmq.Socket
     monitor: zmq.Socket
-    connected: bool = False
 
 
 @dataclass
@@ -83,14 +94,17 @@ class _Entry:
 class DecodeTransport:
     def __init__(self, rank: int, engine: Engine, kv: BufferSpec, fields: list[BufferSpec],
                  room_field: str = "bootstrap_room", host: str = "127.0.0.1",
-                 heartbeat_s: float = 0.2, heartbeat_misses: int = 5,
+                 heartbeat_s: float = 0.2, heartbeat_misses: int = 25,
                  fence_grace_s: float = 30.0, connect_timeout_s: float = 1.0,
-                 retry_s: float = 5.0, *, key: bytes):
+                 retry_s: float = 5.0, hello_wait_max_s: float = 10.0, *, key: bytes):
         if room_field not in {f.name for f in fields}:
             raise ValueError(f"room field {room_field!r} is not among the metadata fields")
         self.rank, self.engine, self.kv, self.fields = rank, engine, kv, fields
         self.room_field, self.host = room_field, host
         self.connect_timeout_s, self.retry_s = connect_timeout_s, retry_s
+        # The HELLO blocks the rank's scheduler thread: the other ranks wait for it in
+        # their next collective, so the wait stays well inside their timeout.
+        self.hello_wait_max_s = hello_wait_max_s
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         self.fence_grace_s = fence_grace_s
         self._key = key
@@ -104,6 +118,7 @@ class DecodeTransport:
         self._status.setsockopt(zmq.LINGER, 0)
         self._status.setsockopt(zmq.MAXMSGSIZE, fr.MAX_STATUS_PART)
         port = self._status.bind_to_random_port(f"tcp://{host}")
+        self.broken = BrokenConnections(self._status)     # garbage, oversized status parts
         self.status_endpoint = f"tcp://{host}:{port}"
         self._unreachable: dict[str, tuple[float, str]] = {}   # endpoint -> (since, why)
         self._links: dict[str, PrefillLink] = {}
@@ -174,22 +189,55 @@ class DecodeTransport:
             return BootstrapError(f"rank {self.rank}: prefill {endpoint} {why}", why)
         sock.connect(endpoint)
         self._send(sock, self.hello().encode())
-        if not sock.poll(int(self.connect_timeout_s * 1000)):
-            raise fail(f"did not answer HELLO within {self.connect_timeout_s:g} s")
+        link = PrefillLink(endpoint, -1, "", sock, monitor)
+        why = self._await_reply(link)
+        if why:
+            raise fail(why)
         reply = self._open(sock.recv_multipart(), auth.REPLY)
         if reply is None:
             raise fail("answered HELLO with a frame that failed authentication")
         try:
             if len(reply) != 2 or reply[0] != fr.HELLO_OK:
                 raise fr.FrameError(f"refused: {reply[-1][:200]!r}")
-            prefill_rank, session = fr.decode_hello_ok(reply[1])
+            link.prefill_rank, link.session = fr.decode_hello_ok(reply[1])
         except fr.FrameError as exc:
             raise fail(f"handshake: {exc}") from None
-        link = PrefillLink(endpoint, prefill_rank, session, sock, monitor)
+        link.last_pong = time.monotonic()
         with self._lock:
             self._links[endpoint] = link
             self._unreachable.pop(endpoint, None)
         return link
+
+    def _await_reply(self, link: PrefillLink) -> str | None:
+        """Wait for the HELLO reply on ``link.sock``; None once it is there, else why not.
+        Nobody accepting the connection within ``connect_timeout_s`` (nothing listens) or
+        the connection closing fails at once; a prefill that accepted but is slow to
+        answer gets the liveness window, as a silent prefill gets from the heartbeats."""
+        poller = zmq.Poller()
+        poller.register(link.sock, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
+        start = time.monotonic()
+        connected_at = start
+        while True:
+            now = time.monotonic()
+            if not link.connected and now - start > self.connect_timeout_s:
+                return f"accepted no connection within {self.connect_timeout_s:g} s"
+            limit = min(self.silence_limit(link), self.hello_wait_max_s)
+            if link.connected and now - connected_at > limit:
+                return f"did not answer HELLO within {limit:g} s"
+            ready = dict(poller.poll(timeout=50))
+            if link.sock in ready:
+                return None
+            if link.monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(link.monitor)["event"]
+                if event == zmq.EVENT_CONNECTED and not link.connected:
+                    link.connected, connected_at = True, time.monotonic()
+                elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                    return "closed its connection during the handshake"
+
+    def silence_limit(self, link: PrefillLink) -> float:
+        """How long ``link``'s prefill may stay silent before it is declared dead."""
+        return max(self.heartbeat_s * self.heartbeat_misses, RTT_FACTOR * link.slowest_rtt)
 
     def start(self, room: int, slot: int, pages: tuple[int, ...], endpoint: str) -> MooncakeKVReceiver:
         """Create the request's receiver and send prefill its pages and slot.
@@ -286,6 +334,14 @@ class DecodeTransport:
         poller.register(link.monitor, zmq.POLLIN)
         return _Watch(link, sock, link.monitor)
 
+    def _credit_stall(self, stalled_s: float) -> None:
+        """This I/O thread itself did not run for ``stalled_s`` (CPU load): no PONG
+        could be heard meanwhile, so that time does not count as the prefills' silence."""
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.last_pong += stalled_s
+
     def _heartbeat(self, watches: dict[int, _Watch], poller: zmq.Poller, seq: int) -> None:
         now = time.monotonic()
         with self._lock:
@@ -297,10 +353,14 @@ class DecodeTransport:
             if link.alive:
                 try:
                     self._send(w.sock, fr.encode_ping(self.rank, seq), zmq.NOBLOCK)
+                    link.pings[seq] = now
+                    if len(link.pings) > 4 * self.heartbeat_misses:     # bounded
+                        del link.pings[min(link.pings)]
                 except zmq.Again:           # not connected, or pings piling up: a miss
                     pass
-                if now - link.last_pong > self.heartbeat_s * self.heartbeat_misses:
-                    self._mark_dead(link, now, f"missed {self.heartbeat_misses} heartbeats")
+                limit = self.silence_limit(link)
+                if now - link.last_pong > limit:
+                    self._mark_dead(link, now, f"missed heartbeats: silent for {limit:g} s")
             elif link.dead_at is not None and now - link.dead_at >= self.fence_grace_s:
                 link.dead_at = None
                 for e in self._link_entries(link):
@@ -323,30 +383,46 @@ class DecodeTransport:
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._status, zmq.POLLIN)
+        poller.register(self.broken.monitor, zmq.POLLIN)
         watches: dict[int, _Watch] = {}
-        seq, next_beat = 0, 0.0
+        seq, next_beat, woke = 0, 0.0, time.monotonic()
         try:
             while not self._stop.is_set():
+                timeout = max(1, int((next_beat - time.monotonic()) * 1000))
+                ready = poller.poll(timeout=timeout)
                 now = time.monotonic()
-                if now >= next_beat:
+                late = now - woke - max(timeout / 1000, self.heartbeat_s)
+                if late > self.heartbeat_s:       # this thread was starved, not the prefill
+                    self._credit_stall(late)
+                woke = now
+                for sock, _ in ready:             # drain before judging anyone silent
+                    if sock is self.broken.monitor:
+                        self.broken.drain()
+                    else:
+                        self._drain(sock, watches)
+                if time.monotonic() >= next_beat:
                     seq += 1
                     self._heartbeat(watches, poller, seq)
-                    next_beat = now + self.heartbeat_s
-                for sock, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
-                    try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        continue
-                    try:
-                        self._dispatch(sock, parts, watches)
-                    except Exception as exc:     # never let one frame stop the thread
-                        self._drop(f"{type(exc).__name__} while handling a frame: {exc}")
+                    next_beat = time.monotonic() + self.heartbeat_s
         except zmq.ContextTerminated:
             pass
         finally:
             for w in watches.values():
                 w.monitor.close()
                 w.sock.close()
+
+    def _drain(self, sock: zmq.Socket, watches: dict[int, _Watch], most: int = 10_000) -> None:
+        """Handle every frame waiting on ``sock`` (at most ``most``: a flood cannot keep
+        this thread from its heartbeats)."""
+        for _ in range(most):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(sock, parts, watches)
+            except Exception as exc:     # never let one frame stop the thread
+                self._drop(f"{type(exc).__name__} while handling a frame: {exc}")
 
     def _dispatch(self, sock: zmq.Socket, parts: list[bytes], watches: dict[int, _Watch]) -> None:
         if sock is self._status:
@@ -361,8 +437,8 @@ class DecodeTransport:
     def _on_monitor(self, w: _Watch, parts: list[bytes]) -> None:
         event = zmq.utils.monitor.parse_monitor_message(parts)["event"]
         if event == zmq.EVENT_CONNECTED:
-            w.connected = True
-        elif event == zmq.EVENT_DISCONNECTED and w.connected:
+            w.link.connected = True
+        elif event == zmq.EVENT_DISCONNECTED and w.link.connected:
             self._mark_dead(w.link, time.monotonic(), "closed its connection")
 
     def _on_pong(self, w: _Watch, parts: list[bytes]) -> None:
@@ -373,16 +449,22 @@ class DecodeTransport:
             self._drop(f"unexpected heartbeat reply {parts[:1]!r}")
             return
         try:
-            fr.decode_ping(parts[1])
+            _, seq = fr.decode_ping(parts[1])
         except fr.FrameError as exc:
             self._drop(str(exc))
             return
-        if w.link.alive:
-            w.link.last_pong = time.monotonic()
+        now = time.monotonic()
+        link = w.link
+        sent = link.pings.pop(seq, None)
+        if sent is not None:
+            link.slowest_rtt = max(now - sent, link.slowest_rtt * RTT_DECAY)
+        if link.alive:
+            link.last_pong = now
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.broken.close()
         self._status.close()
         for link in self._links.values():
             link.sock.close()

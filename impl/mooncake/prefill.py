@@ -20,6 +20,7 @@ import zmq
 from impl.mooncake import auth
 from impl.mooncake import frames as fr
 from impl.mooncake.engine import Engine, MooncakeError, Write
+from impl.mooncake.monitor import BrokenConnections
 from impl.mooncake.synth import ROOM_FIELD, RequestSpec, kv_bytes, metadata_row
 
 log = logging.getLogger("pdgate.mooncake.prefill")
@@ -110,6 +111,8 @@ class PrefillServer:
         self._regions = [engine.register("prefill-kv", self._src_base, self._src.nbytes)]
         self._meta: dict[str, np.ndarray] = {}          # field -> (requests, item_bytes) rows
         self._row_of = {s.room: i for i, s in enumerate(specs)}
+        self._filled: set[int] = set()      # rows written into self._meta (at first XFER)
+        self._specs_list = list(specs)
         self._ranks: dict[int, _Rank] = {}
         self._identity_rank: dict[bytes, int] = {}
         self._jobs: dict[tuple[int, int], _Job] = {}
@@ -126,6 +129,7 @@ class PrefillServer:
             port = self._router.bind_to_random_port(f"tcp://{host}")
         self.host = host
         self.endpoint = f"tcp://{host}:{port}"
+        self.broken = BrokenConnections(self._router)     # garbage, oversized frames
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._serve, name="prefill-router", daemon=True)]
         self._threads += [threading.Thread(target=self._worker, name=f"prefill-worker-{i}", daemon=True)
@@ -169,9 +173,15 @@ class PrefillServer:
             [ident, *auth.seal(self._keys[rank], auth.Channel(auth.REPLY, rank), parts)])
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self.broken.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._router.poll(100):
+                ready = dict(poller.poll(100))
+                if self.broken.monitor in ready:
+                    self.broken.drain()
+                if self._router not in ready:
                     continue
                 got = self._authenticate(self._router.recv_multipart())
                 if got is None:
@@ -228,8 +238,12 @@ class PrefillServer:
         if host != self.host:
             raise fr.FrameError(f"HELLO status endpoint host {host!r} is not {self.host!r}")
         with self._lock:
-            if hello.rank in self._ranks:
-                raise fr.FrameError(f"HELLO: rank {hello.rank} is already registered")
+            known = self._ranks.get(hello.rank)
+            if known is not None and known.hello == hello:
+                return hello.rank     # the key holder again (its first reply was late): same
+            if known is not None:
+                raise fr.FrameError(f"HELLO: rank {hello.rank} is already registered "
+                                    f"with another layout")
             for f in hello.fields:
                 rows = self._meta.get(f.name)
                 if rows is not None and rows.shape[1] != f.item_bytes:
@@ -250,9 +264,12 @@ class PrefillServer:
         return hello.rank
 
     def _build_rows(self, name: str, item_bytes: int) -> np.ndarray:
+        """The field's rows, registered; only those already requested are filled in (the
+        rest at their first XFER: filling all of them here made the first HELLO take
+        seconds for a big workload, and a rank takes a silent prefill for a dead one)."""
         rows = np.zeros((max(len(self.specs), 1), item_bytes), dtype=np.uint8)
-        for room, i in self._row_of.items():
-            rows[i] = np.frombuffer(metadata_row(self.specs[room], name, item_bytes), dtype=np.uint8)
+        for i in self._filled:
+            rows[i] = np.frombuffer(metadata_row(self._specs_list[i], name, item_bytes), np.uint8)
         self._regions.append(self.engine.register(f"prefill-meta-{name}", rows.ctypes.data,
                                                   rows.nbytes))
         return rows
@@ -272,15 +289,29 @@ class PrefillServer:
         elif not x.slot < hello.slots:
             problem = f"slot {x.slot} outside 0..{hello.slots - 1}"
         with self._lock:
-            if problem is None and (x.room, x.rank) in self._jobs:
-                problem = "room already requested by this rank"
+            known = self._jobs.get((x.room, x.rank))
+            if problem is None and known is not None and known.xfer == x:
+                # A replay (XFER carries no sequence number): write nothing again, tell
+                # nothing; the request goes on as the first copy said.
+                raise fr.FrameError(f"XFER room {x.room} rank {x.rank}: duplicate ignored")
+            if problem is None and known is not None:
+                problem = "room already requested by this rank with other pages or slot"
             if problem is None:
                 job = _Job(spec, x.rank, x)
                 self._jobs[(x.room, x.rank)] = job
+                self._fill_row(self._row_of[x.room])
         if problem is not None:
             self._send_status(x.rank, x.room, fr.STATUS_FAILED)
             raise fr.FrameError(f"XFER room {x.room} rank {x.rank}: {problem}")
         self._work.put(job)
+
+    def _fill_row(self, i: int) -> None:
+        """Request ``i``'s row in every field, once (caller holds the lock)."""
+        if i in self._filled:
+            return
+        for name, rows in self._meta.items():
+            rows[i] = np.frombuffer(metadata_row(self._specs_list[i], name, rows.shape[1]), np.uint8)
+        self._filled.add(i)
 
     def _on_abort(self, room: int, rank: int) -> None:
         with self._lock:
@@ -418,6 +449,7 @@ class PrefillServer:
             self._work.put(None)
         for t in self._threads:
             t.join(timeout=5)
+        self.broken.close()
         self._router.close()
         for r in self._ranks.values():
             r.push.close()

@@ -77,7 +77,8 @@ class DecodeRank:
         self.transport = DecodeTransport(
             self.rank, self.engine, BufferSpec("kv", self.pool.data_ptr(), a.page_bytes, a.pages),
             fields, host=a.host, heartbeat_s=a.heartbeat_ms / 1000, heartbeat_misses=a.heartbeat_misses,
-            fence_grace_s=a.fence_grace_s, connect_timeout_s=a.connect_timeout_s, key=key)
+            fence_grace_s=a.fence_grace_s, connect_timeout_s=a.connect_timeout_s,
+            hello_wait_max_s=a.collective_timeout_s / 2, key=key)
         # Our own store (bound to --host, not every interface), not init_method="tcp://".
         store = rendezvous_store(a.host, a.master_port, a.world, is_master=self.rank == 0,
                                  timeout_s=a.collective_timeout_s)
@@ -186,8 +187,11 @@ class DecodeRank:
             rec.update(token_ok=res.first_token == t.spec.first_token, row_ok=None, kv_ok=None,
                        kv_bytes=len(t.pages) * self.a.page_bytes)
             self.unchecked[idx] = (rec, res.fields)      # the queue's own copy of the row
-        elif not t.done:
-            self.transport.abort(t.spec.room)        # ask for a fence before reuse
+        else:
+            failed = t.receiver.failure_exception()    # None: the MIN or strict's timeout
+            rec["why"] = failed.reason[:200] if failed is not None else "another rank or the timeout"
+            if not t.done:
+                self.transport.abort(t.spec.room)    # ask for a fence before reuse
         self.results.append(rec)
         self.phase.append(rec)
 
@@ -241,6 +245,7 @@ class DecodeRank:
             json.dump({"rank": self.rank, "steps": self.queue.steps, "results": self.results,
                        "step_starts": self.step_starts, "dropped": self.transport.dropped,
                        "rejected": self.transport.rejected,
+                       "broken": self.transport.broken.count,
                        "slots": self.a.slots}, fp)
         self.log.fp.close()
         emit({"result": path})
@@ -268,14 +273,16 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every socket binds to")
     p.add_argument("--heartbeat-ms", type=number(10, 60_000), default=100.0,
                    help="ping period per prefill, 10..60000 ms")
-    p.add_argument("--heartbeat-misses", type=number(2, 10_000, integer=True), default=5,
-                   help="silent heartbeats before a prefill is declared dead, 2..10000")
+    p.add_argument("--heartbeat-misses", type=number(2, 10_000, integer=True), default=50,
+                   help="silent heartbeats before a prefill is declared dead, 2..10000 (and "
+                        "at least 8 of its slowest recent PONGs; a killed prefill is found "
+                        "at once by its closed connection)")
     p.add_argument("--fence-grace-s", type=number(0, 3600), default=30.0,
                    help="after a prefill died, wait this long before reusing its slots")
     p.add_argument("--collective-timeout-s", type=number(0, 3600, above=True), default=20.0)
     p.add_argument("--connect-timeout-s", type=number(0, 60, above=True), default=1.0,
-                   help="bound on one handshake with a prefill; a prefill that does not "
-                        "answer fails its requests at once")
+                   help="bound on a prefill accepting the handshake's connection; one "
+                        "that accepts but answers slowly gets the heartbeat window")
 
 
 def main(argv: list[str] | None = None) -> int:

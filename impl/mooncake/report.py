@@ -162,4 +162,16 @@ def figures(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
         "steps": results[0]["steps"] if results else 0,
         "dropped_frames": sum(r["dropped"] for r in results),
         "rejected_frames": sum(r.get("rejected", 0) for r in results),
+        "broken_connections": sum(r.get("broken", 0) for r in results),
+        "abort_reasons": _reasons(results),
     }
+
+
+def _reasons(results: list[dict[str, Any]], most: int = 5) -> dict[str, int]:
+    """Why requests aborted, as each rank's receiver said (rank r's endpoint and port
+    numbers blanked so that one cause is one entry): the most frequent ``most``."""
+    import re
+    from collections import Counter
+    found = Counter(re.sub(r"\d+", "N", rec["why"]) for res in results
+                    for rec in res["results"] if rec.get("why"))
+    return dict(found.most_common(most))

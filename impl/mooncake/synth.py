@@ -78,8 +78,9 @@ def metadata_row(spec: RequestSpec, field: str, item_bytes: int) -> bytes:
     """The bytes prefill writes in one field of the request's metadata row."""
     if field == ROOM_FIELD:
         return spec.room.to_bytes(8, "little") + bytes(item_bytes - 8)
-    rng = np.random.default_rng(_seed("meta", spec.room, field))
-    row = bytearray(rng.bytes(item_bytes))
+    # shake_128, not a numpy Generator per row: ~50x faster, and the prefill builds
+    # every request's row of every field when the first rank says HELLO.
+    row = bytearray(hashlib.shake_128(repr(("meta", spec.room, field)).encode()).digest(item_bytes))
     if field == TOKEN_FIELD:
         row[0:4] = spec.first_token.to_bytes(4, "little", signed=True)
     return bytes(row)

@@ -193,7 +193,7 @@ FLAG_CASES: list[list[str]] = [
     ["e2e", "--requests", "0"], ["e2e", "--slots", "0"], ["e2e", "--pages", "1e9"],
     ["e2e", "--page-bytes", "100000000000"], ["e2e", "--seed", "-1"], ["e2e", "--timeout-steps", "0"],
     ["e2e", "--metadata-delay", "0:nan"], ["e2e", "--metadata-delay", "0:1e308"],
-    ["e2e", "--metadata-delay", "5:10"], ["e2e", "--metadata-delay", "x"], ["e2e", "--device", "tpu"],
+    ["e2e", "--metadata-delay", "5:10"], ["e2e", "--metadata-delay", "x"], ["e2e", "--device", "tpu"], ["e2e", "--netns", "bogus"],
     ["e2e", "--variant", "ungated"], ["e2e", "--host", "no such host"], ["e2e", "--json", "/proc/x"], ["e2e", "--trace", "/"],
     ["e2e", "--requests", "100000", "--max-pages", "1000", "--pages", "1000"],
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],

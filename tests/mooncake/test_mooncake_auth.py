@@ -64,14 +64,30 @@ def test_forged_hello_is_rejected_and_the_real_rank_still_registers(two_ranks, e
         real.transport.close()
 
 
-def test_a_registered_rank_id_cannot_be_registered_again_even_with_its_key(two_ranks):
+def hello_from(sock, rank: int, body: bytes) -> list[bytes]:
+    """Send a HELLO for ``rank`` tagged with its key from ``sock``; the verified reply."""
+    key = auth.rank_key(SECRET, rank)
+    sock.send_multipart(auth.seal(key, auth.Channel(auth.TO_PREFILL, rank),
+                                  [fr.HELLO, fr.encode_rank(rank), body]))
+    assert sock.poll(5000), "no reply to HELLO"
+    reply = auth.unseal(key, auth.Channel(auth.REPLY, rank), sock.recv_multipart())
+    assert reply is not None
+    return reply
+
+
+def test_the_key_holder_may_say_hello_again_but_not_change_its_layout(two_ranks):
+    """A HELLO whose reply came late is sent again: the same layout gets HELLO_OK again
+    (and the request after it is served); another layout for the rank gets ERROR."""
     server, victim, specs, sock = two_ranks
-    hello = victim.transport.hello().encode()
-    sock.send_multipart(auth.seal(auth.rank_key(SECRET, 0), auth.Channel(auth.TO_PREFILL, 0),
-                                  [hello[0], fr.encode_rank(0), hello[1]]))
-    assert sock.poll(2000)
-    reply = auth.unseal(auth.rank_key(SECRET, 0), auth.Channel(auth.REPLY, 0), sock.recv_multipart())
-    assert reply is not None and reply[0] == fr.ERROR and b"already registered" in reply[1]
+    hello = victim.transport.hello().encode()[1]
+    assert hello_from(sock, 0, hello)[0] == fr.HELLO_OK
+    moved = json.loads(hello)
+    moved["kv"][0] += PAGE_BYTES                      # the pool somewhere else
+    reply = hello_from(sock, 0, json.dumps(moved).encode())
+    assert reply[0] == fr.ERROR and b"already registered" in reply[1]
+    spec = specs[5]
+    rec = victim.transport.start(spec.room, 5, victim.pages(spec.n_pages), server.endpoint)
+    assert settle(rec) == SUCCESS and int(victim.room[5, 0]) == spec.room
 
 
 def test_forged_status_frames_are_rejected_and_the_request_commits(two_ranks):
@@ -107,3 +123,75 @@ def test_oversized_frames_cost_the_sender_its_connection_not_the_server(two_rank
     # ZMQ dropped the oversized frames before any handler saw them.
     assert server.rejected == 0 and server.dropped == 0
     assert victim.transport.rejected == 0 and victim.transport.dropped == 0
+
+
+def test_a_replayed_xfer_is_ignored_before_and_after_its_request_landed(two_ranks):
+    """The exact XFER the rank sent (same tag: HMAC is deterministic), replayed on the
+    same connection, is dropped without a status: the request commits, and a replay
+    once it landed rewrites nothing. An XFER for the room with other pages still fails it."""
+    server, victim, specs, _ = two_ranks
+    server.faults.stall_s = 0.3
+    spec = specs[3]
+    pages = victim.pages(spec.n_pages)
+    rec = victim.transport.start(spec.room, 3, pages, server.endpoint)
+    sock = victim.transport._links[server.endpoint].sock
+    xfer = fr.Xfer(spec.room, 0, 3, pages).encode()
+    victim.transport._send(sock, xfer)                              # while it is written
+    assert settle(rec) == SUCCESS and int(victim.room[3, 0]) == spec.room
+    written = server.kv_bytes_written
+    victim.room[3] = 0
+    victim.transport._send(sock, xfer)                              # after it landed
+    wait_for(lambda: server.dropped >= 2, what="the replays to be dropped")
+    assert server.kv_bytes_written == written and not victim.room[3].any()
+    assert victim.transport.dropped == 0                          # no status for a replay
+    other = specs[4]
+    rec2 = victim.transport.start(other.room, 4, victim.pages(other.n_pages), server.endpoint)
+    assert settle(rec2) == SUCCESS
+    moved = fr.Xfer(other.room, 0, 4, victim.pages(other.n_pages)).encode()
+    victim.transport._send(sock, moved)                             # not a replay
+    wait_for(lambda: server.dropped >= 3, what="the changed XFER to be refused")
+    assert server.kv_bytes_written == written + other.n_pages * PAGE_BYTES
+
+
+def test_garbage_and_oversized_frames_are_counted_as_broken_connections(two_ranks):
+    """ZMQ drops these before any handler runs (no frame is rejected or dropped); the
+    listeners' monitors count them. A rank's own traffic counts nothing."""
+    import socket
+    server, victim, specs, sock = two_ranks
+    spec = specs[0]
+    assert settle(victim.transport.start(spec.room, 0, victim.pages(spec.n_pages),
+                                         server.endpoint)) == SUCCESS
+    assert server.broken.count == 0 and victim.transport.broken.count == 0
+    for endpoint in (server.endpoint, victim.transport.status_endpoint):
+        host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")      # no ZMTP at all
+    sock.send_multipart([fr.XFER, fr.encode_rank(0), b"\0" * (fr.MAX_TO_PREFILL_PART + 1),
+                         b"\0" * auth.TAG_BYTES])
+    wait_for(lambda: server.broken.count >= 2 and victim.transport.broken.count >= 1,
+             what="the broken connections to be counted")
+    assert server.rejected == 0 and server.dropped == 0
+
+
+def test_a_connection_and_frame_flood_does_not_get_a_live_prefill_declared_dead(two_ranks):
+    """200 connections of garbage and 20,000 frames with bad tags while a request is
+    being written: every frame is rejected, the rank's heartbeats (a 1 s window) still
+    get through, and the request commits."""
+    import socket
+    server, victim, specs, sock = two_ranks
+    server.faults.stall_s = 0.5
+    spec = specs[4]
+    rec = victim.transport.start(spec.room, 4, victim.pages(spec.n_pages), server.endpoint)
+    host, port = server.endpoint[len("tcp://"):].rsplit(":", 1)
+    raws = [socket.create_connection((host, int(port)), timeout=5) for _ in range(200)]
+    for raw in raws:
+        raw.sendall(b"\xff" * 64)
+    junk = [fr.PING, fr.encode_rank(0), b"\0" * 10, b"\0" * auth.TAG_BYTES]
+    for _ in range(20_000):
+        sock.send_multipart(junk)
+    for raw in raws:
+        raw.close()
+    assert settle(rec, timeout=15) == SUCCESS
+    wait_for(lambda: server.rejected >= 20_000, timeout=30, what="the flood to be rejected")
+    wait_for(lambda: server.broken.count >= 200, what="the garbage connections to be counted")
+    assert victim.transport._links[server.endpoint].alive

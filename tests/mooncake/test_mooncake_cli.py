@@ -42,6 +42,16 @@ def test_usage_errors_are_one_line(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1 and err.startswith("pdgate e2e:")
 
 
+def test_netns_on_where_no_namespace_can_be_made_is_one_line(monkeypatch, capsys):
+    """``--netns on`` refuses to run unconfined (here: nsenter hidden from it)."""
+    import impl.mooncake.netns as netns
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    assert exit_code(["e2e", "--netns", "on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdgate e2e: --netns on:") and "nsenter" in err
+    assert len(err.splitlines()) == 1
+
+
 def test_malformed_delay_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["e2e", "--metadata-delay", "one:two"])
@@ -117,6 +127,36 @@ def test_forged_status_frames_are_rejected_reported_and_fail_the_run(tmp_path):
     assert out["rejected_frames"] == len(rooms) * 2, out
     assert out["committed"] == 6 and out["aborted"] == 0        # nothing got through...
     assert out["disturbed"] and not run_ok(out)                 # ...but the run says so
+
+
+def test_garbage_and_oversized_frames_are_counted_and_fail_the_run(tmp_path):
+    """No ZMTP at all (an HTTP request) at the prefill and at a rank, and a part over the
+    prefill's MAXMSGSIZE: ZMQ drops these connections before any handler, so no frame is
+    rejected, but the monitors count them and the run is disturbed."""
+    import socket
+    import time
+    import zmq
+    from impl.e2e import run_e2e, run_ok
+    from impl.mooncake import auth
+    from impl.mooncake import frames as fr
+
+    def attack(cluster, prefill):
+        endpoints = [prefill.hello_line["endpoint"], cluster.ready[0]["status_endpoint"]]
+        for endpoint in endpoints:
+            host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5) as raw:
+                raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoints[0])
+        dealer.send_multipart([fr.XFER, fr.encode_rank(0), b"\0" * (fr.MAX_TO_PREFILL_PART + 1),
+                               b"\0" * auth.TAG_BYTES])
+        time.sleep(0.5)
+        dealer.close()
+    out = run_e2e(_e2e_config(tmp_path, attack))
+    assert out["committed"] == 6 and out["rejected_frames"] == 0, out
+    assert out["broken_connections"] >= 3, out
+    assert out["disturbed"] and not run_ok(out)
 
 
 def test_a_failed_run_still_writes_json_trace_and_keeps_the_rank_logs(tmp_path, capsys):

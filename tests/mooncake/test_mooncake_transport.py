@@ -312,3 +312,51 @@ def test_engine_write_to_a_frozen_peer_fails_after_the_transfer_timeout(engines,
         peer.kill()
         peer.wait(timeout=10)
         pe.unregister(region)
+
+
+class _SlowHello(PrefillServer):
+    """A prefill whose first HELLO takes ``delay`` seconds (a big workload's rows)."""
+    delay = 1.0
+
+    def _register(self, hello):
+        time.sleep(self.delay)
+        return super()._register(hello)
+
+
+def test_a_slow_hello_reply_is_waited_for_not_taken_for_a_dead_prefill(engines):
+    """HELLO_OK slower than connect_timeout_s: the prefill accepted the connection, so
+    the rank waits its liveness window (heartbeats) and the request commits."""
+    pe, de = engines
+    specs = make_requests(1, seed=11, min_pages=2, max_pages=2)
+    server = _SlowHello(pe, specs, ranks=1, page_bytes=PAGE_BYTES, secret=SECRET)
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=60, connect_timeout_s=0.2)
+    try:
+        rec = rank.transport.start(specs[0].room, 0, rank.pages(2), server.endpoint)
+        assert settle(rec) == SUCCESS
+    finally:
+        rank.transport.close()
+        server.close(close_engine=False)
+
+
+def test_no_listener_fails_at_once_and_a_silent_one_after_the_window(engines):
+    """The sibling: nothing listening fails within connect_timeout_s; a prefill that
+    accepts but never answers fails after the liveness window, not before."""
+    from impl.mooncake.cluster import free_port
+    pe, de = engines
+    specs = make_requests(2, seed=12, min_pages=2, max_pages=2)
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=20, connect_timeout_s=0.3)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, secret=SECRET)
+    server._stop.set()                          # the router accepts but answers nothing
+    try:
+        t0 = time.monotonic()
+        rec = rank.transport.start(specs[0].room, 0, rank.pages(2), f"tcp://127.0.0.1:{free_port()}")
+        assert settle(rec) == FAILED and time.monotonic() - t0 < 2.0
+        assert "accepted no connection" in str(rec.failure_exception())
+        t0 = time.monotonic()
+        rec = rank.transport.start(specs[1].room, 1, rank.pages(2), server.endpoint)
+        waited = time.monotonic() - t0
+        assert settle(rec) == FAILED and 1.0 - 0.05 <= waited < 5.0, waited
+        assert "did not answer HELLO" in str(rec.failure_exception())
+    finally:
+        rank.transport.close()
+        server.close(close_engine=False)
