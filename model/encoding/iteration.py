@@ -40,13 +40,14 @@ Z3F = Folds(Z3OPS, _fold(lambda a, b: a < b), _fold(lambda a, b: a > b),
             lambda xs: z3.Sum([z3.If(x, 1, 0) for x in xs]) if xs else z3.IntVal(0))
 
 StageFn = Callable[[Any, Any], Any]
-_ENUMS: dict[tuple[str, int], z3.SortRef] = {}
+_ENUMS: dict[tuple[str, int], tuple[z3.SortRef, list[z3.ExprRef]]] = {}
 
 
-def _enum(name: str, size: int) -> z3.SortRef:
-    """An enumeration sort of ``size`` elements (declared once per size)."""
+def _enum(name: str, size: int) -> tuple[z3.SortRef, list[z3.ExprRef]]:
+    """An enumeration sort of ``size`` elements and its constants (declared once per size)."""
     if (name, size) not in _ENUMS:
-        _ENUMS[name, size] = z3.EnumSort(f"{name}{size}", [f"{name.lower()}{i}.{size}" for i in range(size)])[0]
+        sort, consts = z3.EnumSort(f"{name}{size}", [f"{name.lower()}{i}.{size}" for i in range(size)])
+        _ENUMS[name, size] = (sort, list(consts))
     return _ENUMS[name, size]
 
 
@@ -56,11 +57,13 @@ class Unbounded:
     def __init__(self, universe: tuple[int, int] | None = None) -> None:
         if universe is None:
             self.rank, self.req = z3.DeclareSort("IRank"), z3.DeclareSort("IReq")
-        else:       # exactly this many ranks and requests (enumeration sorts), for a CTI
-            self.rank = _enum("IRank", universe[0])
-            self.req = _enum("IReq", universe[1])
+        else:       # exactly this many ranks and requests (enumeration sorts)
+            self.rank, self.ranks = _enum("IRank", universe[0])
+            self.req, self.reqs = _enum("IReq", universe[1])
         self.root = z3.Const("rank0", self.rank)       # the broadcast's source
         self.axioms: list[z3.BoolRef] = []
+        if universe is not None:                       # rank 0 is the first rank
+            self.axioms.append(self.root == self.ranks[0])
         self._n = 0
 
     def _name(self, base: str) -> str:
@@ -83,26 +86,37 @@ class Unbounded:
             out[name] = f
         return out
 
+    def some_member(self, name: str, trig: StageFn) -> Callable[[Any], Any]:
+        """some(k) == exists r. trig(k, r): every trigger implies it, and it implies a
+        witness request's trigger (a skolem function)."""
+        some = z3.Function(self._name(f"issues_{name}"), self.rank, z3.BoolSort())
+        wit = z3.Function(self._name(f"trigger_{name}"), self.rank, self.req)
+        self.axioms += [self.forall(lambda k, r: z3.Implies(trig(k, r), some(k))),
+                        self.forall(lambda k, r: z3.Implies(some(k), trig(k, wit(k))))]
+        return some
+
+    def reduction(self, name: str, op: Op, contrib: StageFn) -> Callable[[Any], Any]:
+        """red(r) = MIN (MAX) over ranks of contrib(k, r): a bound on every rank's, equal
+        to a witness rank's (a skolem function)."""
+        red = z3.Function(self._name(f"{op.value}_{name}"), self.req, z3.IntSort())
+        wit = z3.Function(self._name(f"witness_{name}"), self.req, self.rank)
+        bound = (lambda a, b: a <= b) if op is Op.MIN else (lambda a, b: a >= b)
+        self.axioms += [self.forall(lambda k, r: bound(red(r), contrib(k, r))),
+                        self.forall(lambda k, r: red(r) == contrib(wit(r), r))]
+        return red
+
     def point(self, p: Point, st: StageFn, inp: dict[str, StageFn]) -> tuple[StageFn, Callable[[Any], Any]]:
         """The stages after p, and who issued its collective, as closures over ``st``."""
         val = lambda name, k, r: 0 if name is None else inp[name](k, r)
         if p.collective and p.skip is not Skip.NEVER:
-            some = z3.Function(self._name(f"issues_{p.name}"), self.rank, z3.BoolSort())
-            wit = z3.Function(self._name(f"trigger_{p.name}"), self.rank, self.req)
-            trig = lambda k, r: triggers(p, st(k, r), val(p.input, k, r), Z3OPS)
-            self.axioms += [self.forall(lambda k, r: z3.Implies(trig(k, r), some(k))),
-                            self.forall(lambda k, r: z3.Implies(some(k), trig(k, wit(k))))]
+            some = self.some_member(p.name, lambda k, r: triggers(p, st(k, r), val(p.input, k, r), Z3OPS))
             issued = lambda k: issues(p, some(k), Z3OPS)
         else:
             issued = lambda k: issues(p, z3.BoolVal(False), Z3OPS)
         contrib = memo(lambda k, r: contribution(p, issued(k), st(k, r), val(p.input, k, r),
                                                  val(p.gate, k, r), Z3OPS))
         if p.op in (Op.MIN, Op.MAX):
-            red = z3.Function(self._name(f"{p.op.value}_{p.name}"), self.req, z3.IntSort())
-            wit = z3.Function(self._name(f"witness_{p.name}"), self.req, self.rank)
-            bound = (lambda a, b: a <= b) if p.op is Op.MIN else (lambda a, b: a >= b)
-            self.axioms += [self.forall(lambda k, r: bound(red(r), contrib(k, r))),
-                            self.forall(lambda k, r: red(r) == contrib(wit(r), r))]
+            red = self.reduction(p.name, p.op, contrib)
             reduced = lambda k, r: red(r)
         elif p.op is Op.LOCAL:
             reduced = contrib
@@ -180,6 +194,27 @@ def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
     s = Solver(timeout_ms)
     s.add(*u.axioms, moves_differ(p, before, after, issued, k1, k2, r))
     return Query(f"decides_agreed[{p.name}]", s.check())
+
+
+def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, Sequence[Sequence[int]]],
+            want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000) -> Query:
+    """The unbounded encoding, read over exactly these ranks and requests with this
+    state and these inputs, allows nothing but ``want`` (per point: the spec's stages
+    after it and who issued it)? unsat = it agrees with the spec here."""
+    ranks, reqs = len(stages), len(stages[0])
+    u = Unbounded((ranks, reqs))
+    st, inp = u.stage_fn("0"), u.inputs(v, "0")
+    ks, rs = u.ranks, u.reqs
+    fixed = [st(ks[k], rs[r]) == stages[k][r] for k in range(ranks) for r in range(reqs)]
+    fixed += [f(ks[k], rs[r]) == inputs[name][k][r] for name, f in inp.items()
+              for k in range(ranks) for r in range(reqs)]
+    differs = []
+    for (p, _, after, issued), (stages_after, issued_want) in zip(u.iteration(v, st, inp), want):
+        differs += [after(ks[k], rs[r]) != stages_after[k][r] for k in range(ranks) for r in range(reqs)]
+        differs += [issued(ks[k]) != z3.BoolVal(bool(issued_want[k])) for k in range(ranks)]
+    s = Solver(timeout_ms)
+    s.add(*u.axioms, *fixed, z3.Or(differs))
+    return Query("refines", s.check())
 
 
 # -- bounded: the spec's apply_point on Z3 constants ------------------------------------
