@@ -1,16 +1,17 @@
 """The decode iteration's obligations (docs/PROOFS.md, "The decode iteration"), rows of
 ``pdgate prove`` next to the transfer queue's.
 
-  point:P           P preserves agreement: from every state where the ranks agree on
+  safety:point:P    P preserves agreement: from every state where the ranks agree on
                     every request's stage, with any inputs, every rank issues P alike
                     (same collective, op and requests) and the stages still agree.
-                    Unbounded (any T, any N); where it fails, the smallest CTI.
+                    Unbounded (any T, any N). induction:point:P where a release's P
+                    breaks it: the CTI, from the smallest exact universe.
   safety:collectives_agree   the whole iteration preserves agreement (unbounded), and
                     the initial state agrees: by induction, every iteration of every
                     run issues the same collectives on every rank.
-  any-state:no_local_decision_after_min   from ANY state: after each collective,
-                    ranks holding a request at the same stage move it alike
-                    (unbounded; a concrete CTI where a release breaks it).
+  safety:no_local_decision_after_min   from ANY state: after each collective, ranks
+                    holding a request at the same stage move it alike (unbounded;
+                    induction: with a concrete CTI where a release breaks it).
   cex:INV           the smallest run from the initial state that breaks INV
                     (T=2, N<=2, iterations<=3), replayed by the spec and exported.
   cex:point:P       the smallest run whose first break is at P (agreement held at
@@ -96,7 +97,7 @@ def _preserves(ob: Obligation, st: Settings) -> Outcome:
         return Outcome("proved", f"{what}: from every agreed state, any inputs, unsat for every T and N"
                        + (" (initial state agreed: by induction, every iteration)" if points is None else ""))
     if status == "sat":
-        return Outcome("not preserving" if points else "not inductive", f"CTI at {where}: {_describe(q)}")
+        return Outcome("not inductive", f"CTI at {where}: {_describe(q)}")
     return Outcome(status, q.result.reason)
 
 
@@ -107,7 +108,7 @@ def _local_decisions(ob: Obligation, st: Settings) -> Outcome:
         q, where = _first_sat(lambda u, p=p: decides_agreed(v, p, st.timeout_ms, u),
                               ob.expected == "proved")
         if q.result.status == "sat":
-            return Outcome("counterexample", f"{p.name} at {where}: {_describe(q)}")
+            return Outcome("not inductive", f"CTI at {where}, after {p.name}: {_describe(q)}")
         if q.result.status != "unsat":
             return Outcome(q.result.status, f"{p.name}: {q.result.reason}")
     return Outcome("proved", f"{len(collectives)} collectives: from any state, equal stage and reduced "
@@ -237,8 +238,8 @@ def iteration_obligations() -> list[Obligation]:
     for name, v in ITER_VARIANTS.items():
         for p in v.points:
             broken = p.name in BREAKS[name]
-            out.append(Obligation(f"point:{p.name}", name, "not preserving" if broken else "proved", True,
-                                  _preserves, p.name))
+            out.append(Obligation(f"{'induction' if broken else 'safety'}:point:{p.name}", name,
+                                  "not inductive" if broken else "proved", True, _preserves, p.name))
             if broken:
                 out.append(Obligation(f"cex:point:{p.name}", name, "counterexample", False,
                                       _counterexample, f"point:{p.name}"))
@@ -250,8 +251,8 @@ def iteration_obligations() -> list[Obligation]:
             out.append(Obligation("safety:collectives_agree", name, "proved", True, _preserves, "*"))
             out.append(Obligation("nonvacuous:iteration", name, "proved", False, _witness, "run"))
         local = name in LOCAL_AFTER_MIN
-        out.append(Obligation("any-state:no_local_decision_after_min", name,
-                              "counterexample" if local else "proved", True, _local_decisions))
+        out.append(Obligation(f"{'induction' if local else 'safety'}:no_local_decision_after_min", name,
+                              "not inductive" if local else "proved", True, _local_decisions))
         if local:
             out.append(Obligation("cex:no_local_decision_after_min", name, "counterexample", False,
                                   _counterexample, "no_local_decision_after_min"))

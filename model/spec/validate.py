@@ -132,7 +132,7 @@ def violation_line(result: ValidationResult | IterationValidation) -> str | None
             f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
 
 
-def _validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult | IterationValidation:
+def validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult | IterationValidation:
     """An iteration trace (by its header's format) or a step trace."""
     lines = iter(lines)
     head = next(lines, "")
@@ -150,7 +150,7 @@ def _validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = read_trace_file(args.trace, lambda fp: _validate_any(fp, args.variant))
+        result = read_trace_file(args.trace, lambda fp: validate_any(fp, args.variant))
     except TraceInputError as exc:
         print(f"pdgate validate: {exc}", file=sys.stderr)
         return 2
