@@ -74,17 +74,7 @@ def _first_sat(make: Callable[[tuple[int, int] | None], Query], proof_first: boo
 
 
 def _describe(q: Query) -> str:
-    m = q.result.model
-    if m is None:
-        return ""
-    shown = []
-    for d in m.decls():
-        if d.arity() == 0 or d.name().startswith(("k!", "issues_", "trigger_", "witness_", "min_", "max_")):
-            continue
-        if "!" in d.name():
-            continue
-        shown.append(f"{d.name()}={m[d]}")
-    return "; ".join(shown)[:400]
+    return q.shown or "(no model)"
 
 
 def _preserves(ob: Obligation, st: Settings) -> Outcome:

@@ -163,6 +163,15 @@ def moves_differ(p: Point, before: StageFn, after: StageFn, issued: Callable, k1
 class Query:
     label: str
     result: CheckResult
+    shown: str = ""             # a sat answer in an exact universe: its state and inputs
+
+
+def _show(u: Unbounded, model: z3.ModelRef | None, st: StageFn, inp: dict[str, StageFn]) -> str:
+    """The CTI's pre-state and inputs as lists ([rank][request]), where the sorts are exact."""
+    if model is None or not hasattr(u, "ranks"):
+        return ""
+    table = lambda f: [[model.eval(f(k, r), model_completion=True).as_long() for r in u.reqs] for k in u.ranks]
+    return "; ".join([f"stages {table(st)}", *(f"{name} {table(f)}" for name, f in inp.items())])
 
 
 def preserves(v: IterVariant, points: Sequence[Point] | None = None, timeout_ms: int = 20_000,
@@ -180,7 +189,8 @@ def preserves(v: IterVariant, points: Sequence[Point] | None = None, timeout_ms:
     s = Solver(timeout_ms)
     s.add(*u.axioms, bad)
     names = "+".join(p.name for p, *_ in steps)
-    return Query(f"preserves[{names}]", s.check())
+    res = s.check()
+    return Query(f"preserves[{names}]", res, _show(u, res.model, st, inp))
 
 
 def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
@@ -193,7 +203,8 @@ def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
     ((_, before, after, issued),) = u.iteration(v, st, inp, [p])
     s = Solver(timeout_ms)
     s.add(*u.axioms, moves_differ(p, before, after, issued, k1, k2, r))
-    return Query(f"decides_agreed[{p.name}]", s.check())
+    res = s.check()
+    return Query(f"decides_agreed[{p.name}]", res, _show(u, res.model, st, inp))
 
 
 def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, Sequence[Sequence[int]]],
