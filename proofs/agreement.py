@@ -34,7 +34,7 @@ from model.encoding.iteration import (Query, concrete_inputs, decides_agreed, di
                                       preserves, refines, unroll)
 from model.encoding.solver import Solver
 from model.encoding.vocab import Z3OPS
-from model.spec.agreement import Point, Stage, is_member
+from model.spec.agreement import Point, is_member
 from model.spec.iteration import (INPUTS, ITER_VARIANTS, IterVariant, initial_stages,
                                   iteration_violations, run_iteration)
 from model.spec.itertrace import IterationTraceWriter
@@ -50,8 +50,11 @@ BREAKS: dict[str, tuple[str, ...]] = {
     "iter-0.5.21": ("resolve_pending", "admission", "transfer_poll", "kv_checksum"),
     "iter-0.5.23": ("resolve_pending", "admission", "transfer_poll"),
     "iter-strict": (),
+    "prefill-0.5.12": ("bootstrap_poll",),
+    "prefill-strict": (),
 }
-LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.21", "iter-0.5.23")   # the transfer queue's continues
+# the transfer queue's continues; prefill's metadata-buffer continue in pop_bootstrapped
+LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.21", "iter-0.5.23", "prefill-0.5.12")
 
 
 def _point(v: IterVariant, name: str) -> Point:
@@ -122,10 +125,10 @@ def _goal(u, i: int, ob: Obligation) -> z3.BoolRef:
 
 
 def _witness_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
-    """strict: request 0 runs on every rank at iteration i, and on the way a gate held
+    """strict: request 0 reaches the forward on every rank at iteration i, and on the way a gate held
     it: at a gated point every rank polled a value that moves it, one rank's gate flag
     was set, and it stayed where it was on every rank."""
-    runs = z3.And([u.steps[i][-1][1][k][0] == int(Stage.RUNNING) for k in range(u.ranks)])
+    runs = z3.And([u.steps[i][-1][1][k][0] == int(u.variant.runs) for k in range(u.ranks)])
     held = []
     for j in range(i + 1):
         for p, before, after, *_ in u.steps[j]:
@@ -206,8 +209,8 @@ def _refines(ob: Obligation, st: Settings) -> Outcome:
     for ranks, reqs in REFINE_SIZES:
         for _ in range(REFINE_SAMPLES):
             # mostly agreed states (the reachable ones), some split ones
-            row = [rng.choice(list(Stage)) for _ in range(reqs)]
-            stages = [[int(rng.choice(list(Stage))) if rng.random() < 0.3 else int(x) for x in row]
+            row = [rng.choice(list(v.stages)) for _ in range(reqs)]
+            stages = [[int(rng.choice(list(v.stages))) if rng.random() < 0.3 else int(x) for x in row]
                       for _ in range(ranks)]
             inputs = {name: [[rng.choice(INPUTS[name]) for _ in range(reqs)] for _ in range(ranks)]
                       for name in v.inputs()}

@@ -391,6 +391,9 @@ ITERATION_MUTANTS: list[Mutant] = [
            _drop_witness("reduction"), ("refines:iteration@iter-strict",)),
     Mutant("iter-encoding-issues-no-witness", "encoding", "unbounded 'some member triggers' may hold with none",
            _drop_witness("some_member"), ("refines:iteration@iter-strict",)),
+    Mutant("prefill-strict-buffer-veto", "iteration", "strict prefill keeps a request without a metadata buffer after the MIN",
+           _iter_point("prefill-strict", "bootstrap_poll", gate=None, veto="no_buffer", veto_value=2),
+           ("safety:point:bootstrap_poll@prefill-strict",)),
     Mutant("iter-collectives-agree-trivial", "iteration", "the spec's collectives_agree never reports",
            _collectives_agree_trivial, ("cex:collectives_agree@iter-0.5.12",)),
 ]

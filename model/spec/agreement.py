@@ -60,8 +60,8 @@ class Skip(Enum):
 class Point:
     name: str
     op: Op
-    members: tuple[Stage, ...] = ()
-    moves: tuple[tuple[int, Stage], ...] = ()   # reduced value -> next stage
+    members: tuple[int, ...] = ()               # stages (the decode's Stage, or prefill's)
+    moves: tuple[tuple[int, int], ...] = ()     # reduced value -> next stage
     skip: Skip = Skip.NEVER
     input: str | None = None            # the local value's input (None: 0)
     gate: str | None = None             # a rank-local flag that caps the contribution...

@@ -21,6 +21,7 @@ iteration").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, Callable, Mapping, Sequence
 
 from model.spec.agreement import (Op, Point, Skip, Stage, contribution, is_member, issues,
@@ -40,6 +41,8 @@ INPUTS: dict[str, tuple[int, ...]] = {
     "corrupt": (0, 1),       # this rank's KV checksum mismatches
     "finish": (0, 1),        # the request finishes in this forward (rank 0's outputs)
     "unresolved": (0, 1),    # strict's gate: this rank has not resolved the dp rank yet
+    "bootstrap": (0, 1, 2),  # prefill: this rank's sender: Failed, Bootstrapping, WaitingForInput
+    "no_buffer": (0, 1),     # prefill: this rank has no free metadata buffer
 }
 ITERATION_NAMES = ("collectives_agree", "no_local_decision_after_min", "stages_agree")
 
@@ -78,6 +81,8 @@ class IterVariant:
     name: str
     releases: str
     points: tuple[Point, ...]
+    stages: type[IntEnum] = Stage       # what the stage numbers mean
+    runs: int = Stage.RUNNING           # the stage a request reaches before the last point
 
     def inputs(self) -> tuple[str, ...]:
         """The inputs its points read, in first-use order."""
@@ -99,6 +104,34 @@ ITER_VARIANTS: dict[str, IterVariant] = {v.name: v for v in (
     IterVariant("iter-strict", "this project", (RECV, OFFLOAD, STRICT_PREALLOC, STRICT_ADMIT,
                                                 STRICT_TRANSFER, CHECKSUM_MAX, FORWARD)),
 )}
+
+
+class PStage(IntEnum):
+    """A request's place on a prefill rank (issue 19 item 2, first points)."""
+    ABSENT = 0
+    BOOTSTRAP = 1    # in PrefillBootstrapQueue
+    WAITING = 2      # bootstrapped, in the waiting queue (metadata buffer taken)
+    INFLIGHT = 3     # prefilled, KV being sent (disagg_prefill_inflight_queue)
+    GONE = 4
+
+
+P = PStage
+P_RECV = Point("recv_requests", Op.BROADCAST, (P.ABSENT,), ((1, P.BOOTSTRAP),), input="arrive", shape=1)
+_BOOTSTRAP_MOVES = ((0, P.GONE), (2, P.WAITING))
+# pop_bootstrapped: the MIN, then a rank without a free metadata buffer keeps the request
+# (0.5.12: ``break``; 0.5.18 on: ``continue``), #37909
+P_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
+                    input="bootstrap", veto="no_buffer", veto_value=2)
+P_STRICT_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
+                           input="bootstrap", gate="no_buffer", gate_value=1)
+P_FORWARD = Point("forward", Op.ALL_REDUCE, (P.WAITING,), ((0, P.INFLIGHT),), Skip.EMPTY)
+P_INFLIGHT = Point("inflight_poll", Op.MIN, (P.INFLIGHT,), ((0, P.GONE), (4, P.GONE)), Skip.EMPTY,
+                   input="transfer")
+for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 to 0.5.23 (prefill)",
+                       (P_RECV, P_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
+           IterVariant("prefill-strict", "this project (prefill)",
+                       (P_RECV, P_STRICT_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT)):
+    ITER_VARIANTS[_v.name] = _v
 
 
 def get_iter_variant(name: str) -> IterVariant:
@@ -229,21 +262,21 @@ def no_local_decision_after_min(res: IterationResult, v: IterVariant) -> list[Vi
             held = [k for k in holders if pr.before[k][r] in p.members]
             moved = {(pr.before[k][r], pr.after[k][r]) for k in held}
             if len({before for before, _ in moved}) < len(moved):   # same stage, other move
-                where = ", ".join(f"rank {k}: {Stage(pr.after[k][r]).name}" for k in held)
+                where = ", ".join(f"rank {k}: {v.stages(pr.after[k][r]).name}" for k in held)
                 return [Violation("no_local_decision_after_min", f"after {p.name} ({p.op.value}) "
                                   f"request {r} moves differently ({where})", tuple(held), (r,))]
     return []
 
 
-def stages_agree(stages: Stages) -> list[Violation]:
+def stages_agree(stages: Stages, names: type[IntEnum] = Stage) -> list[Violation]:
     for k, row in enumerate(stages[1:], 1):
         if row != stages[0]:
             r = next(i for i, (a, b) in enumerate(zip(stages[0], row)) if a != b)
-            return [Violation("stages_agree", f"request {r}: rank 0 {Stage(stages[0][r]).name}, "
-                              f"rank {k} {Stage(row[r]).name}", (0, k), (r,))]
+            return [Violation("stages_agree", f"request {r}: rank 0 {names(stages[0][r]).name}, "
+                              f"rank {k} {names(row[r]).name}", (0, k), (r,))]
     return []
 
 
 def iteration_violations(res: IterationResult, v: IterVariant) -> list[Violation]:
     """Every invariant this iteration breaks, in ITERATION_NAMES order."""
-    return [*collectives_agree(res), *no_local_decision_after_min(res, v), *stages_agree(res.stages)]
+    return [*collectives_agree(res), *no_local_decision_after_min(res, v), *stages_agree(res.stages, v.stages)]
