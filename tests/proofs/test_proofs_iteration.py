@@ -90,3 +90,13 @@ def test_two_iteration_mutants_are_killed_by_the_rows_they_name():
     for m in ITERATION_MUTANTS:
         if m.name in names:
             assert got[m.name].killed and got[m.name].caught_by == list(m.first), got[m.name]
+
+
+@pytest.mark.parametrize("variant", ["iter-strict", "iter-0.5.21", "prefill-0.5.12"])
+def test_refinement_holds_on_more_samples_than_prove_runs(monkeypatch, tmp_path, variant):
+    import proofs.agreement as agreement
+    from proofs.obligations import Settings
+    monkeypatch.setattr(agreement, "REFINE_SAMPLES", 8)
+    ob = next(o for o in iteration_obligations() if o.obligation == "refines:iteration" and o.variant == variant)
+    out = ob.check(ob, Settings(tmp_path))
+    assert out.result == "proved" and out.detail.startswith("16 random states"), out.detail
