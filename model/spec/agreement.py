@@ -8,7 +8,8 @@ ints) and the Z3 encoding (model/encoding/iteration.py, on terms) run the same c
 caller supplies the only thing that differs, the reduction over ranks (a Python
 ``min`` there, the MIN's axioms here).
 
-A request's place on a rank is one stage number (``Stage``). A point holds the requests
+A request's place on a rank is one stage number (``Stage`` on decode, ``PStage`` in
+model/spec/iteration.py on prefill). A point holds the requests
 in its ``members`` stages; each rank contributes, per member, its local value (the
 iteration's input named ``input``), capped at ``gate_value`` where the rank's gate flag
 (input ``gate``) is set; the collective reduces over the ranks that hold the request;
