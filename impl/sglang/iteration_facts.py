@@ -91,3 +91,54 @@ def release_mismatches(version: str) -> list[str]:
     want = mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
     return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
             for name in Mechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+
+
+PREFILL = "sglang.srt.disaggregation.prefill"
+PREFILL_VARIANT = "prefill-0.5.12"       # every pinned release (docs/PROOFS.md)
+
+
+@dataclass(frozen=True)
+class PrefillMechanisms:
+    bootstrap_skip: Skip   # pop_bootstrapped's early return
+    bootstrap_veto: bool   # a rank without a free metadata buffer keeps the request
+    inflight_skip: Skip    # process_disagg_prefill_inflight_queue's early return
+
+
+def _empty_return(fn: ast.FunctionDef) -> Skip:
+    """EMPTY where the body returns early on an empty queue (``len(...) == 0``)."""
+    for n in fn.body:
+        if isinstance(n, ast.If) and "len(self" in _text(n.test) and "== 0" in _text(n.test) \
+                and any(isinstance(b, ast.Return) for b in ast.walk(n)):
+            return Skip.EMPTY
+    return Skip.NEVER
+
+
+def _buffer_veto(fn: ast.FunctionDef) -> bool:
+    """A ``continue`` or ``break`` under a test on the metadata buffer."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.If) and any(isinstance(b, (ast.Continue, ast.Break)) for b in node.body):
+            test = _text(node.test)
+            if "ensure_metadata_buffer" in test or "available_size() == 0" in test:
+                return True
+    return False
+
+
+def prefill_mechanisms_of(source: str) -> PrefillMechanisms:
+    fns = _functions(ast.parse(source))
+    boot = fns["pop_bootstrapped"]
+    return PrefillMechanisms(_empty_return(boot), _buffer_veto(boot),
+                             _empty_return(fns["process_disagg_prefill_inflight_queue"]))
+
+
+def prefill_mechanisms_modelled(v: IterVariant) -> PrefillMechanisms:
+    by = {p.name: p for p in v.points}
+    return PrefillMechanisms(by["bootstrap_poll"].skip, by["bootstrap_poll"].veto is not None,
+                             by["inflight_poll"].skip)
+
+
+def prefill_mismatches(version: str) -> list[str]:
+    """What the release's prefill.py does that prefill-0.5.12 does not model."""
+    got = prefill_mechanisms_of(open_wheel(version).source_of(PREFILL)[0])
+    want = prefill_mechanisms_modelled(ITER_VARIANTS[PREFILL_VARIANT])
+    return [f"{version} {name}: source {getattr(got, name)}, {PREFILL_VARIANT} {getattr(want, name)}"
+            for name in PrefillMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]

@@ -3,7 +3,8 @@ each pinned release's source shows exactly the mechanisms its iter-* variant mod
 a source changed at one mechanism is reported at that mechanism."""
 import pytest
 
-from impl.sglang.iteration_facts import DECODE, MODELLED_BY, mechanisms_of, release_mismatches
+from impl.sglang.iteration_facts import (DECODE, MODELLED_BY, PREFILL, mechanisms_of, prefill_mechanisms_of,
+                                        prefill_mismatches, release_mismatches)
 from impl.sglang.wheels import PINNED, open_wheel
 from model.spec.agreement import Op, Skip
 
@@ -34,3 +35,16 @@ def test_a_source_changed_at_one_mechanism_shows_there(edit, field, value):
     changed = mechanisms_of(source.replace(old, new, 1))
     assert getattr(changed, field) == value
     assert getattr(mechanisms_of(source), field) != value
+
+
+@pytest.mark.parametrize("version", PINNED)
+def test_each_release_prefill_is_modelled_by_prefill_0_5_12(version):
+    assert prefill_mismatches(version) == []
+
+
+def test_a_prefill_source_without_the_buffer_continue_shows_it():
+    source = open_wheel("0.5.23").source_of(PREFILL)[0]
+    got = prefill_mechanisms_of(source)
+    assert got.bootstrap_veto and got.bootstrap_skip is Skip.EMPTY
+    edited = source.replace("if not self.ensure_metadata_buffer(req):", "if False:")
+    assert not prefill_mechanisms_of(edited).bootstrap_veto
