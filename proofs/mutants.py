@@ -23,7 +23,7 @@ MUTANT_DEADLINE_S = 600.0     # one mutant: the whole suite is far quicker than 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    area: str                       # kernel, variant, machine, min, encoding, lemmas
+    area: str                       # kernel, variant, machine, min, encoding, lemmas, iteration, agreement
     bug: str                        # what it gets wrong, in words
     apply: Callable[[], None]       # patches the running process
     first: tuple[str, ...] = ()     # obligation keys (obligation@variant) to try first
@@ -318,6 +318,86 @@ MUTANTS: list[Mutant] = [
     Mutant("invariant-no-corruption-trivial", "lemmas", "the encoded no_corruption is True",
            _invariant_trivial, ("induction:no_corruption@gate",)),
 ]
+
+
+# -- the decode iteration's mutants (model/spec/agreement.py, iteration.py, its encoding) --
+def _iter_point(variant: str, point: str, **changes: Any) -> Callable[[], None]:
+    """Change one point of one iteration variant (the table every module reads); an
+    ``op`` is given by its value."""
+    def apply() -> None:
+        from model.spec.agreement import Op
+        from model.spec.iteration import ITER_VARIANTS
+        if "op" in changes:
+            changes["op"] = Op(changes["op"])
+        v = ITER_VARIANTS[variant]
+        points = tuple(replace(p, **changes) if p.name == point else p for p in v.points)
+        ITER_VARIANTS[variant] = replace(v, points=points)
+    return apply
+
+
+def _skip_ignores_local_fail() -> None:
+    from model.spec import agreement
+    original = agreement.triggers
+
+    def triggers(p, stage, local, ops):
+        if p.skip is agreement.Skip.ALL_READY_NO_LOCAL_FAIL:
+            p = replace(p, skip=agreement.Skip.ALL_READY)
+        return original(p, stage, local, ops)
+    _replace_everywhere(original, triggers)
+
+
+def _gate_ignored() -> None:
+    from model.spec import agreement
+    original = agreement.contribution
+    _replace_everywhere(original, lambda p, issued, stage, local, gate, ops:
+                        original(p, issued, stage, local, 0, ops))
+
+
+def _drop_witness(method: str) -> Callable[[], None]:
+    """An unbounded iteration skolem (the MIN's witness rank, or the witness request of
+    "some member triggers") loses its axiom: only the first half stays."""
+    def apply() -> None:
+        from model.encoding import iteration
+        original = getattr(iteration.Unbounded, method)
+
+        def weakened(self, *args):
+            out = original(self, *args)
+            del self.axioms[-1]            # each adds its witness axiom last
+            return out
+        setattr(iteration.Unbounded, method, weakened)
+    return apply
+
+
+def _collectives_agree_trivial() -> None:
+    from model.spec import iteration
+    _replace_everywhere(iteration.collectives_agree, lambda res: [])
+
+
+ITERATION_MUTANTS: list[Mutant] = [
+    Mutant("iter-strict-admission-local", "iteration", "strict admits on each rank's own budget",
+           _iter_point("iter-strict", "admission", op="local"),
+           ("safety:point:admission@iter-strict",)),
+    Mutant("iter-strict-transfer-veto", "iteration", "strict keeps a held request after the MIN instead of gating it",
+           _iter_point("iter-strict", "transfer_poll", gate=None, veto="held", veto_value=4),
+           ("safety:no_local_decision_after_min@iter-strict",)),
+    Mutant("iter-0.5.23-checksum-local", "iteration", "0.5.23 drops checksum mismatches per rank (as 0.5.21)",
+           _iter_point("iter-0.5.23", "kv_checksum", op="local"),
+           ("safety:point:kv_checksum@iter-0.5.23",)),
+    Mutant("agreement-skip-ignores-local-fail", "agreement", "the 0.5.13 prealloc skip ignores a local Failed",
+           _skip_ignores_local_fail, ("induction:point:prealloc_poll@iter-0.5.13",)),
+    Mutant("agreement-gate-ignored", "agreement", "a point's gate never caps the contribution",
+           _gate_ignored, ("nonvacuous:iteration@iter-strict",)),
+    Mutant("iter-encoding-min-no-witness", "encoding", "unbounded iteration MIN: a lower bound only",
+           _drop_witness("reduction"), ("refines:iteration@iter-strict",)),
+    Mutant("iter-encoding-issues-no-witness", "encoding", "unbounded 'some member triggers' may hold with none",
+           _drop_witness("some_member"), ("refines:iteration@iter-strict",)),
+    Mutant("prefill-strict-buffer-veto", "iteration", "strict prefill keeps a request without a metadata buffer after the MIN",
+           _iter_point("prefill-strict", "bootstrap_poll", gate=None, veto="no_buffer", veto_value=2),
+           ("safety:point:bootstrap_poll@prefill-strict",)),
+    Mutant("iter-collectives-agree-trivial", "iteration", "the spec's collectives_agree never reports",
+           _collectives_agree_trivial, ("cex:collectives_agree@iter-0.5.12",)),
+]
+MUTANTS += ITERATION_MUTANTS
 
 
 @dataclass

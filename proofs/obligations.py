@@ -409,7 +409,8 @@ def obligations() -> list[Obligation]:
     for name in ALL_VARIANTS:
         out.append(Obligation("consistent:actions", name, "proved", True, _consistent))
         out.append(Obligation("refines:spec", name, "proved", False, _refines))
-    return out
+    from proofs.agreement import iteration_obligations     # the decode iteration's rows
+    return out + iteration_obligations()
 
 
 def run_obligation(ob: Obligation, st: Settings) -> Outcome:

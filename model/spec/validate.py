@@ -6,6 +6,8 @@ not (or the trace ended early), 2 malformed input.
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -19,6 +21,8 @@ from model.spec.state import SystemState, initial_state
 from model.spec.trace import (MAX_CLAIMS, TraceFormatError, TraceInputError, _int, event_record,
                               open_records, parse_record, read_trace_file, require_enqueued,
                               require_nothing_after)
+from model.spec.iteration import ITER_VARIANTS
+from model.spec.itertrace import IterationValidation, is_iteration_header, validate_iterations
 from model.spec.variants import ABLATIONS, VARIANTS
 
 
@@ -111,24 +115,42 @@ def _show(rec: Event) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="NDJSON trace (docs/trace-format.md)")
-    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS]),
-                   help="replay against this variant or ablation instead of the header's")
+    p.add_argument("trace", help="NDJSON trace (docs/trace-format.md): step or iteration trace")
+    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS]),
+                   help="replay against this variant or ablation instead of the header's "
+                        "(iter-* for iteration traces)")
 
 
-def violation_line(result: ValidationResult) -> str | None:
+def violation_line(result: ValidationResult | IterationValidation) -> str | None:
     """The line naming the first invariant the replay saw break (validate and replay
     print it), or None."""
     if not result.first_violation:
         return None
     step, viol = result.first_violation
-    return (f"invariant {viol.invariant} breaks at step {step}: {viol.detail} "
+    unit = "iteration" if isinstance(result, IterationValidation) else "step"
+    return (f"invariant {viol.invariant} breaks at {unit} {step}: {viol.detail} "
             f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
+
+
+def validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult | IterationValidation:
+    """An iteration trace (by its header's format) or a step trace."""
+    lines = iter(lines)
+    head = next(lines, "")
+    try:
+        iterations = is_iteration_header(json.loads(head))
+    except (ValueError, RecursionError):
+        iterations = False          # the step trace reader names what is wrong with it
+    lines = itertools.chain([head], lines)
+    if iterations:
+        return validate_iterations(lines, variant)
+    if variant in ITER_VARIANTS:
+        raise TraceFormatError(1, f"--variant {variant} is an iteration variant; this is a step trace")
+    return validate(lines, variant)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = read_trace_file(args.trace, lambda fp: validate(fp, args.variant))
+        result = read_trace_file(args.trace, lambda fp: validate_any(fp, args.variant))
     except TraceInputError as exc:
         print(f"pdgate validate: {exc}", file=sys.stderr)
         return 2

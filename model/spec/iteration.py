@@ -1,0 +1,282 @@
+"""One decode scheduler iteration, whole: every rank-agreement point on SGLang's decode
+path in the order the event loop reaches them, as ``Point`` configurations
+(model/spec/agreement.py), with the variants of the releases that differ.
+
+An iteration takes the per-rank stage of every request and one value per (input, rank,
+request) chosen by the environment (what each rank's receivers, allocator and checksum
+say this iteration), and returns the next stages and, per rank, the sequence of
+(collective, op, shape) it issued. The invariants, by name:
+
+* ``collectives_agree``: every rank issues the same sequence of (collective, op, shape)
+  (else gloo/NCCL hang or mix vectors: #36928, #37909);
+* ``no_local_decision_after_min``: after a collective, every rank that holds a request
+  at the same stage moves it to the same stage (no rank-local ``continue`` after the
+  agreed value);
+* ``stages_agree``: every rank has every request at the same stage (the inductive
+  invariant the proofs use for the other two).
+
+The release line numbers each point models are in docs/PROOFS.md ("The decode
+iteration").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Callable, Mapping, Sequence
+
+from model.spec.agreement import (Op, Point, Skip, Stage, contribution, is_member, issues,
+                                  next_stage, triggers)
+from model.spec.invariants import Violation
+from model.spec.kernel import PY, Ops
+
+S = Stage
+# Every input the points read, with the values the environment may choose.
+INPUTS: dict[str, tuple[int, ...]] = {
+    "arrive": (0, 1),        # rank 0's recv_requests returns the request this iteration
+    "resolved": (0, 1),      # this rank resolved the prefill dp rank (a bootstrap query)
+    "handshake": (0, 1, 2),  # this rank's receiver: Failed, Bootstrapping, WaitingForInput
+    "fits": (0, 1),          # this rank's token budget admits the request (pop_preallocated)
+    "transfer": (0, 3, 4),   # this rank's receiver: Failed, Transferring, Success
+    "held": (0, 1),          # host staging cannot allocate / HiCache restore pending here
+    "corrupt": (0, 1),       # this rank's KV checksum mismatches
+    "finish": (0, 1),        # the request finishes in this forward (rank 0's outputs)
+    "unresolved": (0, 1),    # strict's gate: this rank has not resolved the dp rank yet
+    "bootstrap": (0, 1, 2),  # prefill: this rank's sender: Failed, Bootstrapping, WaitingForInput
+    "no_buffer": (0, 1),     # prefill: this rank has no free metadata buffer
+}
+ITERATION_NAMES = ("collectives_agree", "no_local_decision_after_min", "stages_agree")
+
+RECV = Point("recv_requests", Op.BROADCAST, (S.ABSENT,), ((1, S.PENDING),), input="arrive", shape=1)
+OFFLOAD = Point("offload_progress", Op.MIN, shape=2)            # check_offload_progress qsizes
+RESOLVE = Point("resolve_pending", Op.LOCAL, (S.PENDING,), ((1, S.PREALLOC),), input="resolved")
+_HANDSHAKE = ((0, S.GONE), (2, S.READY))
+
+
+def prealloc(skip: Skip) -> Point:
+    return Point("prealloc_poll", Op.MIN, (S.PREALLOC, S.READY), _HANDSHAKE, skip, input="handshake")
+
+
+ADMIT_LOCAL = Point("admission", Op.LOCAL, (S.READY,), ((1, S.TRANSFER),), input="fits")
+TRANSFER_MOVES = ((0, S.GONE), (4, S.PREBUILT))
+TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY, input="transfer")
+TRANSFER_VETO = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY,
+                      input="transfer", veto="held", veto_value=4)
+NO_CHECKSUM = Point("prebuilt", Op.LOCAL, (S.PREBUILT,), ((0, S.RUNNING),))
+_CHECKSUM_MOVES = ((0, S.RUNNING), (1, S.GONE))
+CHECKSUM_LOCAL = Point("kv_checksum", Op.LOCAL, (S.PREBUILT,), _CHECKSUM_MOVES, input="corrupt")
+CHECKSUM_MAX = Point("kv_checksum", Op.MAX, (S.PREBUILT,), _CHECKSUM_MOVES, Skip.EMPTY, input="corrupt")
+FORWARD = Point("forward", Op.ALL_REDUCE, (S.RUNNING,), ((1, S.GONE),), Skip.EMPTY, input="finish")
+
+# strict: every rank-local fact goes through a gate before the collective, so nothing
+# local is left after it; the skips read only agreed stages.
+STRICT_PREALLOC = Point("prealloc_poll", Op.MIN, (S.PENDING, S.PREALLOC, S.READY), _HANDSHAKE,
+                        Skip.EMPTY, input="handshake", gate="unresolved", gate_value=1)
+STRICT_ADMIT = Point("admission", Op.MIN, (S.READY,), ((1, S.TRANSFER),), Skip.EMPTY, input="fits")
+STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY,
+                        input="transfer", gate="held", gate_value=3)
+
+
+@dataclass(frozen=True)
+class IterVariant:
+    name: str
+    releases: str
+    points: tuple[Point, ...]
+    stages: type[IntEnum] = Stage       # what the stage numbers mean
+    runs: int = Stage.RUNNING           # the stage a request reaches before the last point
+
+    def inputs(self) -> tuple[str, ...]:
+        """The inputs its points read, in first-use order."""
+        names = [n for p in self.points for n in (p.input, p.gate, p.veto) if n]
+        return tuple(dict.fromkeys(names))
+
+
+def _sglang(name: str, releases: str, skip: Skip, transfer: Point, checksum: Point) -> IterVariant:
+    return IterVariant(name, releases, (RECV, OFFLOAD, RESOLVE, prealloc(skip), ADMIT_LOCAL,
+                                        transfer, checksum, FORWARD))
+
+
+ITER_VARIANTS: dict[str, IterVariant] = {v.name: v for v in (
+    _sglang("iter-0.5.12", "SGLang 0.5.12", Skip.ALL_READY, TRANSFER, NO_CHECKSUM),
+    _sglang("iter-0.5.13", "SGLang 0.5.13 to 0.5.19", Skip.ALL_READY_NO_LOCAL_FAIL, TRANSFER_VETO,
+            NO_CHECKSUM),
+    _sglang("iter-0.5.21", "SGLang 0.5.21", Skip.EMPTY, TRANSFER_VETO, CHECKSUM_LOCAL),
+    _sglang("iter-0.5.23", "SGLang 0.5.23", Skip.EMPTY, TRANSFER_VETO, CHECKSUM_MAX),
+    IterVariant("iter-strict", "this project", (RECV, OFFLOAD, STRICT_PREALLOC, STRICT_ADMIT,
+                                                STRICT_TRANSFER, CHECKSUM_MAX, FORWARD)),
+)}
+
+
+class PStage(IntEnum):
+    """A request's place on a prefill rank (issue 19 item 2, first points)."""
+    ABSENT = 0
+    BOOTSTRAP = 1    # in PrefillBootstrapQueue
+    WAITING = 2      # bootstrapped, in the waiting queue (metadata buffer taken)
+    INFLIGHT = 3     # prefilled, KV being sent (disagg_prefill_inflight_queue)
+    GONE = 4
+
+
+P = PStage
+P_RECV = Point("recv_requests", Op.BROADCAST, (P.ABSENT,), ((1, P.BOOTSTRAP),), input="arrive", shape=1)
+_BOOTSTRAP_MOVES = ((0, P.GONE), (2, P.WAITING))
+# pop_bootstrapped: the MIN, then a rank without a free metadata buffer keeps the request
+# (0.5.12: ``break``; 0.5.18 on: ``continue``), #37909
+P_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
+                    input="bootstrap", veto="no_buffer", veto_value=2)
+P_STRICT_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
+                           input="bootstrap", gate="no_buffer", gate_value=1)
+P_FORWARD = Point("forward", Op.ALL_REDUCE, (P.WAITING,), ((0, P.INFLIGHT),), Skip.EMPTY)
+P_INFLIGHT = Point("inflight_poll", Op.MIN, (P.INFLIGHT,), ((0, P.GONE), (4, P.GONE)), Skip.EMPTY,
+                   input="transfer")
+for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 to 0.5.23 (prefill)",
+                       (P_RECV, P_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
+           IterVariant("prefill-strict", "this project (prefill)",
+                       (P_RECV, P_STRICT_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT)):
+    ITER_VARIANTS[_v.name] = _v
+
+
+def get_iter_variant(name: str) -> IterVariant:
+    try:
+        return ITER_VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown iteration variant {name!r} (known: {', '.join(ITER_VARIANTS)})") from None
+
+
+Stages = tuple[tuple[int, ...], ...]          # [rank][request]
+Inputs = Mapping[str, Sequence[Sequence[Any]]]   # name -> [rank][request]
+Record = tuple[str, str, int]                 # (collective, op, shape)
+
+
+@dataclass(frozen=True)
+class PointResult:
+    point: str
+    issued: tuple[bool, ...]                  # per rank
+    before: Stages
+    after: Stages
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    stages: Stages
+    records: tuple[tuple[Record, ...], ...]   # per rank, in issue order
+    points: tuple[PointResult, ...]
+
+
+def initial_stages(ranks: int, requests: int) -> Stages:
+    return tuple((int(S.ABSENT),) * requests for _ in range(ranks))
+
+
+def _value(inputs: Inputs, name: str | None, k: int, r: int) -> int:
+    return 0 if name is None else inputs[name][k][r]
+
+
+@dataclass(frozen=True)
+class Folds:
+    """The reductions over a list that apply_point needs beside the kernel's Ops: Python's
+    here, Z3's in model/encoding/iteration.py (the bounded search runs apply_point itself)."""
+    ops: Ops
+    minimum: Callable[[list[Any]], Any]
+    maximum: Callable[[list[Any]], Any]
+    some: Callable[[list[Any]], Any]
+    count: Callable[[list[Any]], Any]
+
+
+PYF = Folds(PY, min, max, any, lambda xs: sum(map(bool, xs)))
+
+
+def reduce_over(p: Point, column: list[Any], f: Folds = PYF) -> Any:
+    """The collective's value for one request from every rank's contribution."""
+    if p.op is Op.MIN:
+        return f.minimum(column)
+    if p.op is Op.MAX:
+        return f.maximum(column)
+    return column[0]          # BROADCAST, ALL_REDUCE: rank 0's
+
+
+def apply_point(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs,
+                f: Folds = PYF) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...], list[Any]]:
+    """One point on every rank: the next stages, who issued the collective, its shapes."""
+    ops, ranks, reqs = f.ops, len(stages), len(stages[0]) if stages else 0
+    local = [[_value(inputs, p.input, k, r) for r in range(reqs)] for k in range(ranks)]
+    issued = tuple(issues(p, f.some([triggers(p, stages[k][r], local[k][r], ops) for r in range(reqs)]), ops)
+                   for k in range(ranks))
+    shapes = [p.shape if p.shape is not None else f.count([is_member(p, s, ops) for s in stages[k]])
+              for k in range(ranks)]
+    contrib = [[contribution(p, issued[k], stages[k][r], local[k][r], _value(inputs, p.gate, k, r), ops)
+                for r in range(reqs)] for k in range(ranks)]
+    out = []
+    for k in range(ranks):
+        row = []
+        for r in range(reqs):
+            reduced = reduce_over(p, [c[r] for c in contrib], f) if p.collective else contrib[k][r]
+            row.append(next_stage(p, issued[k], stages[k][r], reduced, _value(inputs, p.veto, k, r), ops))
+        out.append(tuple(row))
+    return tuple(out), issued, shapes
+
+
+def run_iteration(v: IterVariant, stages: Stages, inputs: Inputs) -> IterationResult:
+    records: list[list[Record]] = [[] for _ in stages]
+    results = []
+    for p in v.points:
+        after, issued, shapes = apply_point(p, stages, inputs)
+        for k, did in enumerate(issued):
+            if did:            # (PY's ops give plain bools here)
+                records[k].append((p.name, p.op.value, shapes[k]))
+        results.append(PointResult(p.name, issued, stages, after))
+        stages = after
+    return IterationResult(stages, tuple(tuple(r) for r in records), tuple(results))
+
+
+def check_inputs(v: IterVariant, inputs: Mapping[str, object], ranks: int, requests: int) -> None:
+    """Raise ValueError naming the first input that is missing, of the wrong shape or
+    outside its domain."""
+    for name in v.inputs():
+        rows = inputs.get(name)
+        if not isinstance(rows, (list, tuple)) or len(rows) != ranks:
+            raise ValueError(f"input {name!r} must list {ranks} ranks")
+        for k, row in enumerate(rows):
+            if not isinstance(row, (list, tuple)) or len(row) != requests:
+                raise ValueError(f"input {name!r} rank {k} must list {requests} requests")
+            for x in row:
+                if isinstance(x, bool) or x not in INPUTS[name]:
+                    raise ValueError(f"input {name!r} rank {k} holds {x!r}, outside {INPUTS[name]}")
+
+
+# -- the invariants ---------------------------------------------------------------------
+def collectives_agree(res: IterationResult) -> list[Violation]:
+    first = res.records[0]
+    for k, rec in enumerate(res.records[1:], 1):
+        if rec != first:
+            i = next((j for j, (a, b) in enumerate(zip(first, rec)) if a != b), min(len(first), len(rec)))
+            show = lambda rs: "end of iteration" if i >= len(rs) else "{} {} shape {}".format(*rs[i])
+            return [Violation("collectives_agree", f"collective {i}: rank 0 issues {show(first)}, "
+                              f"rank {k} issues {show(rec)}", (0, k))]
+    return []
+
+
+def no_local_decision_after_min(res: IterationResult, v: IterVariant) -> list[Violation]:
+    for p, pr in zip(v.points, res.points):
+        if not p.collective:
+            continue
+        holders = [k for k, did in enumerate(pr.issued) if did]
+        for r in range(len(pr.before[0]) if pr.before else 0):
+            held = [k for k in holders if pr.before[k][r] in p.members]
+            moved = {(pr.before[k][r], pr.after[k][r]) for k in held}
+            if len({before for before, _ in moved}) < len(moved):   # same stage, other move
+                where = ", ".join(f"rank {k}: {v.stages(pr.after[k][r]).name}" for k in held)
+                return [Violation("no_local_decision_after_min", f"after {p.name} ({p.op.value}) "
+                                  f"request {r} moves differently ({where})", tuple(held), (r,))]
+    return []
+
+
+def stages_agree(stages: Stages, names: type[IntEnum] = Stage) -> list[Violation]:
+    for k, row in enumerate(stages[1:], 1):
+        if row != stages[0]:
+            r = next(i for i, (a, b) in enumerate(zip(stages[0], row)) if a != b)
+            return [Violation("stages_agree", f"request {r}: rank 0 {names(stages[0][r]).name}, "
+                              f"rank {k} {names(row[r]).name}", (0, k), (r,))]
+    return []
+
+
+def iteration_violations(res: IterationResult, v: IterVariant) -> list[Violation]:
+    """Every invariant this iteration breaks, in ITERATION_NAMES order."""
+    return [*collectives_agree(res), *no_local_decision_after_min(res, v), *stages_agree(res.stages, v.stages)]

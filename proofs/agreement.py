@@ -1,0 +1,253 @@
+"""The decode iteration's obligations (docs/PROOFS.md, "The decode iteration"), rows of
+``pdgate prove`` next to the transfer queue's.
+
+  safety:point:P    P preserves agreement: from every state where the ranks agree on
+                    every request's stage, with any inputs, every rank issues P alike
+                    (same collective, op and requests) and the stages still agree.
+                    Unbounded (any T, any N). induction:point:P where a release's P
+                    breaks it: the CTI, from the smallest exact universe.
+  safety:collectives_agree   the whole iteration preserves agreement (unbounded), and
+                    the initial state agrees: by induction, every iteration of every
+                    run issues the same collectives on every rank.
+  safety:no_local_decision_after_min   from ANY state: after each collective, ranks
+                    holding a request at the same stage move it alike (unbounded;
+                    induction: with a concrete CTI where a release breaks it).
+  cex:INV           the smallest run from the initial state that breaks INV
+                    (T=2, N<=2, iterations<=3), replayed by the spec and exported.
+  cex:point:P       the smallest run whose first break is at P (agreement held at
+                    every point before it), exported: one trace per broken mechanism.
+  induction:collectives_agree   the sibling of the safety row: the same query on a
+                    broken variant is sat (a concrete CTI).
+  refines:iteration   on seeded random states and inputs, the unbounded encoding
+                    allows exactly the spec's successor and issues at every point.
+  nonvacuous:iteration   strict: a run in which a request is admitted, transferred
+                    and runs, with a gate holding on the way, exists and is exported.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import z3
+
+from model.encoding.iteration import (Query, concrete_inputs, decides_agreed, disagree_at,
+                                      preserves, refines, unroll)
+from model.encoding.solver import Solver
+from model.encoding.vocab import Z3OPS
+from model.spec.agreement import Point, is_member
+from model.spec.iteration import (INPUTS, ITER_VARIANTS, IterVariant, initial_stages,
+                                  iteration_violations, run_iteration)
+from model.spec.itertrace import IterationTraceWriter
+from proofs.obligations import Obligation, Outcome, Settings
+
+MAX_ITER_RANKS, MAX_ITER_REQS, MAX_ITERATIONS = 2, 2, 3
+# The exact universes (ranks, requests) a CTI is searched in before the unbounded query.
+CTI_UNIVERSES = ((2, 1), (2, 2))
+# Which points break agreement in which release (verified, row by row, by the solver).
+BREAKS: dict[str, tuple[str, ...]] = {
+    "iter-0.5.12": ("resolve_pending", "admission"),
+    "iter-0.5.13": ("resolve_pending", "prealloc_poll", "admission", "transfer_poll"),
+    "iter-0.5.21": ("resolve_pending", "admission", "transfer_poll", "kv_checksum"),
+    "iter-0.5.23": ("resolve_pending", "admission", "transfer_poll"),
+    "iter-strict": (),
+    "prefill-0.5.12": ("bootstrap_poll",),
+    "prefill-strict": (),
+}
+# the transfer queue's continues; prefill's metadata-buffer continue in pop_bootstrapped
+LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.21", "iter-0.5.23", "prefill-0.5.12")
+
+
+def _point(v: IterVariant, name: str) -> Point:
+    return next(p for p in v.points if p.name == name)
+
+
+def _first_sat(make: Callable[[tuple[int, int] | None], Query], proof_first: bool) -> tuple[Query, str]:
+    """The unbounded answer if it is unsat (a proof), else the first sat answer in the
+    exact small universes (a concrete CTI), else the unbounded answer. ``proof_first``
+    only orders the queries (the unbounded one first where a proof is expected, since
+    a sat answer comes fastest from a small universe); the verdict is the same."""
+    unbounded = make(None) if proof_first else None
+    if unbounded is not None and unbounded.result.status == "unsat":
+        return unbounded, "unbounded"
+    for u in CTI_UNIVERSES:
+        q = make(u)
+        if q.result.status == "sat":
+            return q, f"T={u[0]} N={u[1]}"
+    return unbounded or make(None), "unbounded"
+
+
+def _describe(q: Query) -> str:
+    return q.shown or "(no model)"
+
+
+def _preserves(ob: Obligation, st: Settings) -> Outcome:
+    v = ITER_VARIANTS[ob.variant]
+    points = None if ob.arg == "*" else [_point(v, ob.arg)]
+    q, where = _first_sat(lambda u: preserves(v, points, st.timeout_ms, u), ob.expected == "proved")
+    status = q.result.status
+    if status == "unsat":
+        what = "every point" if points is None else ob.arg
+        return Outcome("proved", f"{what}: from every agreed state, any inputs, unsat for every T and N"
+                       + (" (initial state agreed: by induction, every iteration)" if points is None else ""))
+    if status == "sat":
+        return Outcome("not inductive", f"CTI at {where}: {_describe(q)}")
+    return Outcome(status, q.result.reason)
+
+
+def _local_decisions(ob: Obligation, st: Settings) -> Outcome:
+    v = ITER_VARIANTS[ob.variant]
+    collectives = [p for p in v.points if p.collective]
+    for p in collectives:
+        q, where = _first_sat(lambda u, p=p: decides_agreed(v, p, st.timeout_ms, u),
+                              ob.expected == "proved")
+        if q.result.status == "sat":
+            return Outcome("not inductive", f"CTI at {where}, after {p.name}: {_describe(q)}")
+        if q.result.status != "unsat":
+            return Outcome(q.result.status, f"{p.name}: {q.result.reason}")
+    return Outcome("proved", f"{len(collectives)} collectives: from any state, equal stage and reduced "
+                   "value give equal moves, unsat for every T and N")
+
+
+def _goal(u, i: int, ob: Obligation) -> z3.BoolRef:
+    if not ob.arg.startswith("point:"):
+        return disagree_at(u, i, ob.arg)
+    # the first break at point P: stages agree at every point boundary before it
+    name = ob.arg.split(":", 1)[1]
+    agree = lambda stages: z3.And([stages[0][r] == stages[k][r] for k in range(1, u.ranks)
+                                   for r in range(u.reqs)])
+    before = [agree(b) for steps in u.steps[:i + 1] for p, b, *_ in steps]
+    idx = [p.name for p in u.variant.points].index(name)
+    p, b, after, issued, shapes = u.steps[i][idx]
+    prior = before[:len(before) - len(u.steps[i]) + idx + 1]
+    breaks = z3.Or(z3.Not(agree(after)), *[z3.Or(issued[0] != issued[k], z3.And(issued[0], shapes[0] != shapes[k]))
+                                            for k in range(1, u.ranks)] if p.collective else [])
+    return z3.And(*prior, breaks)
+
+
+def _witness_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
+    """strict: request 0 reaches the forward on every rank at iteration i, and on the way a gate held
+    it: at a gated point every rank polled a value that moves it, one rank's gate flag
+    was set, and it stayed where it was on every rank."""
+    runs = z3.And([u.steps[i][-1][1][k][0] == int(u.variant.runs) for k in range(u.ranks)])
+    held = []
+    for j in range(i + 1):
+        for p, before, after, *_ in u.steps[j]:
+            if p.gate is None:
+                continue
+            local, flag = u.inputs[j][p.input], u.inputs[j][p.gate]
+            top, target = max(p.moves)
+            held.append(z3.And(*[z3.And(is_member(p, before[k][0], Z3OPS), before[k][0] != int(target),
+                                        local[k][0] == top, after[k][0] == before[k][0])
+                                 for k in range(u.ranks)],
+                               z3.Or([flag[k][0] == 1 for k in range(u.ranks)])))
+    return z3.And(runs, z3.Or(held))
+
+
+def _search(ob: Obligation, st: Settings, goal: Callable) -> Outcome:
+    v = ITER_VARIANTS[ob.variant]
+    for reqs in range(1, MAX_ITER_REQS + 1):
+        u = unroll(v, MAX_ITER_RANKS, reqs, MAX_ITERATIONS)
+        for i in range(MAX_ITERATIONS):
+            s = Solver(st.timeout_ms)
+            s.add(*u.domain, goal(u, i, ob))
+            res = s.check()
+            if res.status == "sat":
+                inputs = concrete_inputs(u, res.model)[:i + 1]
+                return _export(ob, st, v, reqs, inputs)
+            if res.status != "unsat":
+                return Outcome(res.status, res.reason)
+    return Outcome("none found", f"within T={MAX_ITER_RANKS}, N<={MAX_ITER_REQS}, {MAX_ITERATIONS} iterations")
+
+
+def _export(ob: Obligation, st: Settings, v: IterVariant, reqs: int, inputs: list) -> Outcome:
+    """Replay the solver's inputs through the spec and write the trace: the records and
+    the violation are the spec's, never the solver's."""
+    path = st.traces / f"{ob.variant}.{ob.obligation.replace(':', '-')}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stages = initial_stages(MAX_ITER_RANKS, reqs)
+    with open(path, "w", encoding="utf-8") as fp:
+        w = IterationTraceWriter(fp, v.name, MAX_ITER_RANKS, reqs, "pdgate prove",
+                                 note=f"{ob.obligation}: minimal within T={MAX_ITER_RANKS}, "
+                                      f"N<={MAX_ITER_REQS}, {MAX_ITERATIONS} iterations")
+        for i, inp in enumerate(inputs):
+            res = run_iteration(v, stages, inp)
+            w.iteration(i, inp, res)
+            stages = res.stages
+        found = iteration_violations(res, v)
+        # a point breaks agreement in its collective or in the stages it leaves
+        wanted = ("collectives_agree", "stages_agree") if ob.arg.startswith("point:") else (ob.arg,)
+        claim = [x for x in found if x.invariant in wanted]
+        if ob.expected == "counterexample":
+            if not claim:
+                return Outcome("replay mismatch", f"the spec's last iteration breaks none of {', '.join(wanted)}")
+            w.violation(claim[0], len(inputs) - 1)
+        elif found:
+            return Outcome("replay mismatch", f"the witness breaks {found[0].invariant}")
+        w.end(len(inputs))
+    result = ob.expected
+    detail = claim[0].detail if ob.expected == "counterexample" else "a request runs on every rank; a gate held it once"
+    return Outcome(result, f"T={MAX_ITER_RANKS} N={reqs}, {len(inputs)} iterations: {detail}", str(path))
+
+
+def _counterexample(ob: Obligation, st: Settings) -> Outcome:
+    return _search(ob, st, _goal)
+
+
+def _witness(ob: Obligation, st: Settings) -> Outcome:
+    return _search(ob, st, _witness_goal)
+
+
+REFINE_SAMPLES, REFINE_SIZES = 2, ((2, 2), (3, 1))   # per size; the CI test runs more
+
+
+def _refines(ob: Obligation, st: Settings) -> Outcome:
+    """On random states and inputs (seeded), the unbounded encoding read over exactly
+    those ranks and requests allows only the spec's successor at every point."""
+    v = ITER_VARIANTS[ob.variant]
+    rng = random.Random(ob.variant)
+    n = 0
+    for ranks, reqs in REFINE_SIZES:
+        for _ in range(REFINE_SAMPLES):
+            # mostly agreed states (the reachable ones), some split ones
+            row = [rng.choice(list(v.stages)) for _ in range(reqs)]
+            stages = [[int(rng.choice(list(v.stages))) if rng.random() < 0.3 else int(x) for x in row]
+                      for _ in range(ranks)]
+            inputs = {name: [[rng.choice(INPUTS[name]) for _ in range(reqs)] for _ in range(ranks)]
+                      for name in v.inputs()}
+            res = run_iteration(v, tuple(map(tuple, stages)), inputs)
+            want = [(pr.after, pr.issued) for pr in res.points]
+            q = refines(v, stages, inputs, want, st.timeout_ms)
+            n += 1
+            if q.result.status != "unsat":
+                return Outcome("refinement mismatch" if q.result.status == "sat" else q.result.status,
+                               f"T={ranks} N={reqs} stages {stages} inputs {inputs}: the encoding allows "
+                               f"another successor ({_describe(q)})")
+    return Outcome("proved", f"{n} random states and inputs: the unbounded encoding allows exactly the "
+                   "spec's stages and issues after every point")
+
+
+def iteration_obligations() -> list[Obligation]:
+    out: list[Obligation] = []
+    for name, v in ITER_VARIANTS.items():
+        for p in v.points:
+            broken = p.name in BREAKS[name]
+            out.append(Obligation(f"{'induction' if broken else 'safety'}:point:{p.name}", name,
+                                  "not inductive" if broken else "proved", True, _preserves, p.name))
+            if broken:
+                out.append(Obligation(f"cex:point:{p.name}", name, "counterexample", False,
+                                      _counterexample, f"point:{p.name}"))
+        if BREAKS[name]:
+            out.append(Obligation("cex:collectives_agree", name, "counterexample", False, _counterexample,
+                                  "collectives_agree"))
+            out.append(Obligation("induction:collectives_agree", name, "not inductive", True, _preserves, "*"))
+        else:
+            out.append(Obligation("safety:collectives_agree", name, "proved", True, _preserves, "*"))
+            out.append(Obligation("nonvacuous:iteration", name, "proved", False, _witness, "run"))
+        local = name in LOCAL_AFTER_MIN
+        out.append(Obligation(f"{'induction' if local else 'safety'}:no_local_decision_after_min", name,
+                              "not inductive" if local else "proved", True, _local_decisions))
+        if local:
+            out.append(Obligation("cex:no_local_decision_after_min", name, "counterexample", False,
+                                  _counterexample, "no_local_decision_after_min"))
+        out.append(Obligation("refines:iteration", name, "proved", False, _refines))
+    return out
