@@ -52,29 +52,31 @@ def number(lo: float | None = None, hi: float | None = None, *, above: bool = Fa
 
 def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be written (checked before any work), or None. It is opened
-    for appending (created and removed again if it did not exist): permission bits alone
-    say nothing for root or for /proc. It must not be one of ``inputs`` (``replay X
-    --out X`` would overwrite its own input)."""
+    for appending, without blocking (a FIFO with no reader is refused, not waited on),
+    and given an empty write, which /dev/full refuses (permission bits alone say nothing
+    for root or for /proc); a file it created is removed again. It must not be one of
+    ``inputs`` (``replay X --out X`` would overwrite its own input)."""
     out = Path(path)
-    for src in inputs:
-        try:
+    try:
+        for src in inputs:
             if out.exists() and Path(src).exists() and out.samefile(src):
                 return f"{path} is also the input; choose another output path"
-        except OSError:
-            pass
-    if out.is_dir():
-        return f"{path} is a directory"
-    parent = out.parent
-    if not parent.is_dir():
-        return f"cannot write {path}: folder {parent} does not exist"
-    existed = out.exists()
-    try:
-        with open(out, "a", encoding="utf-8"):
-            pass
+        if out.is_dir():
+            return f"{path} is a directory"
+        if not out.parent.is_dir():
+            return f"cannot write {path}: folder {out.parent} does not exist"
+        existed = out.exists()
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
         if not existed:
             out.unlink()
     except OSError as exc:
         return f"cannot write {path}: {exc.strerror or exc}"
+    except ValueError as exc:           # a NUL byte in the path
+        return f"cannot write {str(path)[:80]!r}: {exc}"
     return None
 
 
@@ -97,11 +99,14 @@ INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("t
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be used as an output folder (existing, or creatable), or None."""
     out = Path(path)
-    if out.exists():
-        if not out.is_dir():
-            return f"{path} exists and is not a folder"
-        return None if _can_create_in(out) else f"cannot write into {path}"
-    parent = next((q for q in out.parents if q.exists()), Path("."))
+    try:
+        if out.exists():
+            if not out.is_dir():
+                return f"{path} exists and is not a folder"
+            return None if _can_create_in(out) else f"cannot write into {path}"
+        parent = next((q for q in out.parents if q.exists()), Path("."))
+    except (OSError, ValueError) as exc:
+        return f"cannot use folder {str(path)[:80]!r}: {getattr(exc, 'strerror', None) or exc}"
     if not parent.is_dir() or not _can_create_in(parent):
         return f"cannot create folder {path}: {parent} is not a writable folder"
     return None

@@ -33,6 +33,9 @@ def good_trace(variant: str = "gate", ranks: int = 2, slots: int = 2) -> list[st
     return fp.getvalue().splitlines()
 
 
+FIFO = "{fifo}"     # a TraceCase path: the test makes a FIFO there (tests.hostile.test_hostile)
+
+
 @dataclass(frozen=True)
 class TraceCase:
     name: str
@@ -62,7 +65,7 @@ def _wrong_types(good: list[str]) -> list[TraceCase]:
     for i, text in enumerate(good):
         obj = json.loads(text)
         kind = obj["kind"]
-        for key in [k for k in obj if k not in ("kind", "t", "source", "format")]:
+        for key in [k for k in obj if k not in ("t", "source", "format")]:
             for vname, value in WRONG_VALUES.items():
                 out.append(TraceCase(f"{kind}.{key}={vname}", _text(_with(good, i, {**obj, key: value}))))
         if kind == "step":
@@ -72,7 +75,8 @@ def _wrong_types(good: list[str]) -> list[TraceCase]:
                     bad = json.loads(text)
                     bad["ranks"][0][key] = WRONG_VALUES[vname]
                     out.append(TraceCase(f"step.ranks[0].{key}={vname}", _text(_with(good, i, bad))))
-            for bad_pop in ([["0", "commit", 5]], [[0, "explode", 5]], [[0, "commit"]], [5]):
+            for bad_pop in ([["0", "commit", 5]], [[0, "explode", 5]], [[0, "commit"]], [5],
+                            [[0, ["commit"], 5]], [[0, {"commit": 1}, 5]]):
                 bad = json.loads(text)
                 bad["ranks"][0]["popped"] = bad_pop
                 out.append(TraceCase(f"step.popped={json.dumps(bad_pop)}", _text(_with(good, i, bad))))
@@ -138,6 +142,8 @@ def trace_cases() -> list[TraceCase]:
         TraceCase("/dev/zero", path="/dev/zero"),
         TraceCase("a directory", path="/"),
         TraceCase("a missing file", path="/nonexistent/trace.jsonl"),
+        TraceCase("a FIFO nobody writes to", path=FIFO),
+        TraceCase("land field a list", _text(_with(good, 4, good[4].replace('"field":"payload"', '"field":["payload"]')))),
     ]
     return cases
 

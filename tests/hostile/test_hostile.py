@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from model.cli import SUBCOMMANDS, main
-from tests.hostile.cases import (FLAG_CASES, SIM_BOUND_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
+from tests.hostile.cases import (FIFO, FLAG_CASES, SIM_BOUND_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
                                  verdict_traces)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +47,15 @@ def assert_clean(rc: int, out: str, err: str, codes=(1, 2)) -> None:
         assert len(err_lines) <= 1 and (err_lines or out.strip()), text[-500:]
 
 
-def case_path(case: TraceCase, tmp_path: Path) -> str:
+def case_path(case: TraceCase, tmp_path: Path, name: str = "case.jsonl") -> str:
+    if case.path == FIFO:
+        fifo = tmp_path / "fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo)
+        return str(fifo)
     if case.path is not None:
         return case.path
-    path = tmp_path / "case.jsonl"
+    path = tmp_path / name
     path.write_bytes(case.content)
     return str(path)
 
@@ -164,14 +169,7 @@ print("RESULT " + json.dumps(out))
 def test_trace_classes_stay_within_a_memory_limit(tmp_path):
     """Every trace case in one process whose address space is capped at 1 GiB: a
     MemoryError would end it without the RESULT line."""
-    paths = []
-    for i, case in enumerate(TRACES):
-        if case.path is not None:
-            paths.append(case.path)
-            continue
-        p = tmp_path / f"{i}.jsonl"
-        p.write_bytes(case.content)
-        paths.append(str(p))
+    paths = [case_path(case, tmp_path, f"{i}.jsonl") for i, case in enumerate(TRACES)]
     proc = subprocess.run([sys.executable, "-c", _VALIDATE_ALL.format(limit=MEMORY_BYTES), *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
