@@ -91,8 +91,9 @@ def _can_create_in(folder: Path) -> bool:
 # Output paths by subcommand (argparse dest), checked before any work: files, folders.
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
-    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",)}
-OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
+    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",), "conform": ("json",)}
+OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",),
+                                           "sweep": ("plot",), "e2e": ("work_dir",)}
 INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
 
 
