@@ -252,14 +252,14 @@ def read_trace_file(path: str, parse: Callable[[Iterable[str]], T]) -> T:
         raise TraceInputError(f"{path}: {exc}") from None
 
 
-def open_input(path: str, newline: str | None = None) -> IO[str]:
+def open_input(path: str, encoding: str = "utf-8") -> IO[str]:
     """``path`` opened as UTF-8 text for reading, without waiting for a writer: a FIFO
     nobody writes to reads as empty instead of hanging (a pipe that is written,
     ``<(cmd)`` or /dev/stdin, still streams)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         os.set_blocking(fd, True)
-        return open(fd, encoding="utf-8", newline=newline)
+        return open(fd, encoding=encoding)
     except BaseException:
         os.close(fd)
         raise
