@@ -206,6 +206,38 @@ FLAG_CASES: list[list[str]] = [
     ["nosuchcommand"], ["--bogus-flag"],
 ]
 
+# Unwritable outputs: a full device, a read-only file (even for root), a folder (or, for
+# a folder flag, a file), /proc, a missing parent folder, a FIFO nobody reads.
+BAD_OUTPUT_FILES = ("/dev/full", "/proc/version", "{dir}", "/proc/x", "{dir}/missing/x", FIFO)
+BAD_OUTPUT_DIRS = ("/dev/full", "/proc/version", "{trace}", "/proc/x", FIFO)
+REQUIRED_ARGS = {"replay": ["{trace}"], "conform": ["--sglang", "pinned"]}
+
+
+def output_path_cases() -> list[list[str]]:
+    """Every output flag of every subcommand (model.cli's OUTPUT_FILES and OUTPUT_DIRS)
+    given each unwritable path; sweep's resumable --out must also be a regular file."""
+    from model.cli import OUTPUT_DIRS, OUTPUT_FILES
+    out = []
+    for table, bad in ((OUTPUT_FILES, BAD_OUTPUT_FILES), (OUTPUT_DIRS, BAD_OUTPUT_DIRS)):
+        for name, dests in table.items():
+            for dest in dests:
+                flag = "--" + dest.replace("_", "-")
+                out += [[name, *REQUIRED_ARGS.get(name, []), flag, path] for path in bad]
+    return out + [["sweep", "--out", "/dev/null"], ["sweep", "--out", "/dev/zero"],
+                  *[["simulate", "--compare", "gate,strict", "--requests", "5", "--trace", p]
+                    for p in ("/dev/full", "{dir}/missing/x")]]
+
+
+# Inputs that cannot be read, for every input flag: refused in one line.
+INPUT_CASES = [
+    *[["simulate", "--requests", "5", *flag.split("=")[:1], flag.split("=")[1] + path]
+      for flag in ("--trace-in=", "--forward=empirical:")
+      for path in ("/dev/full", "/proc/self/mem", "{dir}", FIFO, "/nonexistent.csv")],
+    *[["validate", path] for path in ("/proc/self/mem", "{dir}", FIFO)],
+    *[["replay", path] for path in ("/proc/self/mem", "{dir}", FIFO)],
+]
+
+
 def typed_flag_cases() -> list[list[str]]:
     """For every subcommand (present and future) and each of its flags that converts
     its value: NaN, inf and a value past any limit, plus an unknown flag. Positional

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from model.cli import SUBCOMMANDS, main
-from tests.hostile.cases import (FIFO, FLAG_CASES, SIM_BOUND_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
-                                 verdict_traces)
+from tests.hostile.cases import (FIFO, FLAG_CASES, INPUT_CASES, SIM_BOUND_CASES, TraceCase, good_trace,
+                                 output_path_cases, trace_cases, typed_flag_cases, verdict_traces)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = trace_cases()
@@ -124,11 +124,14 @@ def test_verdict_traces_get_a_verdict_not_a_crash(tmp_path, capsys):
     assert "no free metadata slot" in out + err          # the admission refusal, named
 
 
-@pytest.mark.parametrize("argv", FLAG_CASES + typed_flag_cases(), ids=lambda a: " ".join(a))
+@pytest.mark.parametrize("argv", FLAG_CASES + typed_flag_cases() + output_path_cases() + INPUT_CASES,
+                         ids=lambda a: " ".join(a))
 def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
     trace = tmp_path / "good.jsonl"
     trace.write_text("\n".join(good_trace()) + "\n")
-    argv = [a.format(trace=trace, dir=tmp_path) for a in argv]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    argv = [a.format(trace=trace, dir=tmp_path, fifo=fifo) for a in argv]
     rc, out, err, seconds = run_cli(argv, capsys)
     assert_clean(rc, out, err, codes=(2,))
     assert seconds < SECONDS, seconds
