@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from model.spec.kernel import Decision
+from sim.errors import SimInputError
 from sim.rundata import RunData
 from sim.results import gate_delay_ms, ttft_ms
 
@@ -48,8 +49,11 @@ def write_perfetto(path: str, runs: list[RunData]) -> None:
     events: list[dict[str, Any]] = []
     for pid, run in enumerate(runs, 1):
         events += perfetto_events(run, pid, run.cfg.variant)
-    with open(path, "w", encoding="utf-8") as fp:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fp, separators=(",", ":"))
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fp, separators=(",", ":"))
+    except OSError as exc:            # the disk filled during the run (probed before it)
+        raise SimInputError(f"--perfetto: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _pyplot():
@@ -60,10 +64,14 @@ def _pyplot():
 
 
 def _save(fig, directory: str, name: str) -> str:
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, name)
-    fig.savefig(path, metadata={"Software": None})
-    _pyplot().close(fig)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fig.savefig(path, metadata={"Software": None})
+    except OSError as exc:
+        raise SimInputError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        _pyplot().close(fig)
     return path
 
 

@@ -82,7 +82,7 @@ def datetime_ns(text: str, where: str) -> int:
     """Integer ns since the Unix epoch of a trace date-time (UTC unless an offset says)."""
     m = _DATETIME.fullmatch(text.strip())
     if not m:
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} is not a date-time like "
+        raise SimInputError(f"{where}: TIMESTAMP {text[:40]!r} is not a date-time like "
                             f"2023-11-16 18:17:03.9799600 or 2024-10-15T12:00:00.269Z")
     y, mo, d, hh, mm, ss = (int(g) for g in m.groups()[:6])
     frac, zone = m.group(7) or "", m.group(8)
@@ -90,7 +90,7 @@ def datetime_ns(text: str, where: str) -> int:
     month_days = (31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)[mo - 1] \
         if 1 <= mo <= 12 else 0
     if not (1 <= y and 1 <= mo <= 12 and 1 <= d <= month_days and hh < 24 and mm < 60 and ss < 60):
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} is not a valid date-time")
+        raise SimInputError(f"{where}: TIMESTAMP {text[:40]!r} is not a valid date-time")
     secs = _days_from_civil(y, mo, d) * 86400 + hh * 3600 + mm * 60 + ss
     if zone and zone != "Z":
         sign = -1 if zone[0] == "-" else 1
@@ -103,9 +103,9 @@ def _seconds_ns(text: str, where: str, name: str) -> int:
     try:
         val = float(text)
     except ValueError:
-        raise SimInputError(f"{where}: {name} {text!r} is not a number of seconds") from None
+        raise SimInputError(f"{where}: {name} {text[:40]!r} is not a number of seconds") from None
     if not math.isfinite(val) or val < 0 or val > 1e12:
-        raise SimInputError(f"{where}: {name} {text!r} must be a finite number of seconds in 0..1e12")
+        raise SimInputError(f"{where}: {name} {text[:40]!r} must be a finite number of seconds in 0..1e12")
     return round(val * 1e9)
 
 
@@ -123,7 +123,7 @@ def _count(value: object, where: str, name: str, hi: int = MAX_TOKENS) -> int:
         try:
             value = int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
-            raise SimInputError(f"{where}: {name} {text!r} is not a non-negative integer") from None
+            raise SimInputError(f"{where}: {name} {text[:40]!r} is not a non-negative integer") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SimInputError(f"{where}: {name} must be a non-negative integer, got {type(value).__name__}")
     if isinstance(value, float) and not (math.isfinite(value) and value == int(value)):

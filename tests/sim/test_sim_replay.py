@@ -317,3 +317,13 @@ def test_a_fifo_nobody_writes_to_is_an_empty_trace_not_a_hang(tmp_path, capsys):
     for argv in (["--trace-in", str(fifo)], ["--forward", f"empirical:{fifo}"]):
         rc, _, err = _run(capsys, "simulate", "--requests", "5", "--ranks", "2", *argv)
         assert rc == 2 and ("holds no requests" in err or "holds no values" in err), err
+
+
+@pytest.mark.parametrize("row", ["9" * 5000 + ",5,2", "2024-01-01 00:00:00." + "9" * 5000 + ",5,2",
+                                 "1," + "9" * 5000 + ",2", "nan,5,2", "1,inf,2", "1,1e400,2"])
+def test_hostile_csv_rows_are_short_one_line_errors(tmp_path, capsys, row):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + row + "\n")
+    rc, _, err = _run(capsys, "simulate", "--trace-in", str(path), "--ranks", "2")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "line 2" in lines[0] and len(lines[0]) < 300, lines
