@@ -8,14 +8,39 @@ from typing import Any
 import numpy as np
 
 from model.spec.kernel import Decision
+from sim.draws import Draws, prefill_schedule
 from sim.errors import SimInputError
 from sim.rundata import RunData
 from sim.results import gate_delay_ms, ttft_ms
 
 
+MAX_PREFILL_SLICES = 100_000     # a trace beyond this would not load in the UI anyway
+
+
+def _prefill_events(run: RunData, pid: int, us) -> list[dict[str, Any]]:
+    """A track per prefill server: each request's arrival instant and its prefill slice
+    (queueing for a server shows as the gap between them)."""
+    cfg, T = run.cfg, run.cfg.ranks
+    n = min(len(run.arrival_ms), MAX_PREFILL_SLICES)
+    arrivals = run.arrival_ms[:n].tolist()
+    durations = Draws(cfg, run.workload).prefill_ms[:n].tolist()
+    ends, servers = prefill_schedule(arrivals, durations, cfg.prefill_servers)
+    ev: list[dict[str, Any]] = [
+        {"ph": "M", "pid": pid, "tid": T + s, "name": "thread_name", "args": {"name": f"prefill server {s}"}}
+        for s in range(cfg.prefill_servers)]
+    for i, (t, dur, end, s) in enumerate(zip(arrivals, durations, ends, servers)):
+        ev.append({"ph": "i", "s": "t", "pid": pid, "tid": T + s, "ts": us(t), "name": f"arrive r{i}",
+                   "cat": "arrival"})
+        ev.append({"ph": "X", "pid": pid, "tid": T + s, "ts": us(end - dur), "dur": us(dur),
+                   "name": f"prefill r{i}", "cat": "prefill",
+                   "args": {"request": i, "queued_ms": round(max(end - dur - t, 0.0), 3)}})
+    return ev
+
+
 def perfetto_events(run: RunData, pid: int, name: str) -> list[dict[str, Any]]:
-    """Chrome trace events (times in us): per rank, a KV slice and a metadata-lag slice
-    per request, the MIN all-reduce of every protocol step, and commit/abort instants."""
+    """Chrome trace events (times in us): per prefill server, each request's arrival
+    and prefill; per rank, a KV slice and a metadata-lag slice per request, the MIN
+    all-reduce of every protocol step, and commit/abort instants."""
     T = run.cfg.ranks
     ev: list[dict[str, Any]] = [{"ph": "M", "pid": pid, "name": "process_name",
                                  "args": {"name": f"decode worker ({name})"}}]
@@ -24,6 +49,8 @@ def perfetto_events(run: RunData, pid: int, name: str) -> list[dict[str, Any]]:
 
     def us(ms: float) -> float:
         return round(ms * 1000.0, 3)
+
+    ev += _prefill_events(run, pid, us)
 
     for kind, rank, ident, t0, t1 in run.spans:
         if kind in ("kv", "lag"):

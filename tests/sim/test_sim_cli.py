@@ -85,10 +85,22 @@ def test_perfetto_has_one_track_per_rank_and_plots_are_pngs(tmp_path, capsys):
     assert rc == 0
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert names == {(p, k): f"rank {k}" for p in (1, 2) for k in range(4)}
-    slices = [e for e in events if e["ph"] == "X"]
+    assert names == {**{(p, k): f"rank {k}" for p in (1, 2) for k in range(4)},
+                     **{(p, 4 + k): f"prefill server {k}" for p in (1, 2) for k in range(4)}}
+    slices = [e for e in events if e["ph"] == "X" and e["cat"] != "prefill"]
     assert {e["tid"] for e in slices} == set(range(4)) and all(e["dur"] >= 0 for e in slices)
     assert any(e["name"].startswith("commit r") for e in events)
+    # a track per prefill server (tids 4..7, after the ranks): every request arrives,
+    # then is prefilled once, never two at a time on one server
+    for pid in (1, 2):
+        arrive = {e["name"][len("arrive r"):]: e["ts"] for e in events
+                  if e["pid"] == pid and e.get("cat") == "arrival"}
+        prefill = [e for e in events if e["pid"] == pid and e.get("cat") == "prefill"]
+        assert len(arrive) == len(prefill) == 60 and {e["tid"] for e in prefill} == {4, 5, 6, 7}
+        assert all(e["ts"] >= arrive[str(e["args"]["request"])] for e in prefill)
+        for tid in range(4, 8):
+            mine = [e for e in prefill if e["tid"] == tid]
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))
     for name, size in (("ttft_cdf.png", (700, 640)), ("gate_delay_cdf.png", (700, 400))):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
