@@ -94,7 +94,8 @@ OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",), "conform": ("json",)}
 OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",),
                                            "sweep": ("plot",), "e2e": ("work_dir",)}
-INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
+INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",),
+                                           "sweep": ("trace_in",), "validate": ("trace",)}
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:
@@ -116,12 +117,18 @@ def folder_problem(path: str | os.PathLike) -> str | None:
 def output_problem(command: str, args: argparse.Namespace) -> str | None:
     """The first output path of ``command`` that cannot be written, as one line."""
     inputs = [v for v in (getattr(args, n, None) for n in INPUT_FILES.get(command, ())) if v]
+    seen: dict[str, str] = {}
     for name in OUTPUT_FILES.get(command, ()):
         value = getattr(args, name, None)
         if isinstance(value, str) and value:
+            flag = f"--{name.replace('_', '-')}"
             problem = writable_problem(value, *inputs)
             if problem:
-                return f"--{name.replace('_', '-')}: {problem}"
+                return f"{flag}: {problem}"
+            where = os.path.realpath(value)
+            if where in seen and where != os.devnull:     # one would overwrite the other
+                return f"{flag}: {value} is also {seen[where]}'s path; choose another"
+            seen[where] = flag
     for name in OUTPUT_DIRS.get(command, ()):
         value = getattr(args, name, None)
         if isinstance(value, str) and value:

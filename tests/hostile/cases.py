@@ -224,6 +224,9 @@ def output_path_cases() -> list[list[str]]:
                 flag = "--" + dest.replace("_", "-")
                 out += [[name, *REQUIRED_ARGS.get(name, []), flag, path] for path in bad]
     return out + [["sweep", "--out", "/dev/null"], ["sweep", "--out", "/dev/zero"],
+                  ["simulate", "--json", "{dir}/x", "--perfetto", "{dir}/x"],
+                  ["e2e", "--json", "{dir}/x", "--trace", "{dir}/./x"],
+                  ["sweep", "--trace-in", "{trace}", "--out", "{trace}"],
                   *[["simulate", "--compare", "gate,strict", "--requests", "5", "--trace", p]
                     for p in ("/dev/full", "{dir}/missing/x")]]
 
