@@ -328,10 +328,31 @@ def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], p
             done: dict[tuple, list[dict]] = {}
             for row in reader:
                 if row["params"] == params:
+                    _check_resumed(row, path, reader.line_num)
                     done.setdefault(_key(row[c] for c in key_cols), []).append(row)
             return done
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise SimInputError(f"--out: cannot read {path} to resume: {exc}") from None
+
+
+RESUMED_NUMBERS = ("rate", "ttft_p99_ms", "capacity_rate", "ttft_p99_target_ms")
+
+
+def _check_resumed(row: dict, path: str, line: int) -> None:
+    """A resumed row's values that the summary and the plot read back: numbers (or
+    empty) and a True/False ``diverged``; an edited file is refused, not a crash."""
+    for col in RESUMED_NUMBERS:
+        text = row.get(col) or ""
+        try:
+            ok = text == "" or math.isfinite(float(text))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SimInputError(f"--out: {path} line {line}: {col} {text[:40]!r} is not a finite "
+                                f"number; remove that row (or the file) to recompute it")
+    if row.get("diverged", "") not in ("", "True", "False"):
+        raise SimInputError(f"--out: {path} line {line}: diverged {row['diverged'][:40]!r} is not "
+                            f"True or False; remove that row (or the file) to recompute it")
 
 
 def write_csv(path: str, rows: Iterable[dict], columns: tuple[str, ...], mode: str = "w") -> None:

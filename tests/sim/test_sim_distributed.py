@@ -72,3 +72,19 @@ def test_sweep_bad_flags_are_one_line(capsys, argv, flag, tmp_path):
     rc, _, err = _sweep(capsys, *argv)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and flag in lines[0]
+
+
+@pytest.mark.parametrize("column, value", [("ttft_p99_ms", "abc"), ("rate", "nan"), ("diverged", "maybe")])
+def test_an_edited_resume_row_is_refused_in_one_line(tmp_path, capsys, column, value):
+    out = tmp_path / "s.csv"
+    grid = ["--variant", "gate", "--ranks", "2", "--rate", "2,4", "--requests", "30", "--jobs", "1"]
+    assert _sweep(capsys, *grid, "--out", str(out))[0] == 0
+    rows = list(csv.DictReader(open(out)))
+    rows[1][column] = value
+    with open(out, "w", newline="") as fp:
+        w = csv.DictWriter(fp, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    rc, _, err = _sweep(capsys, *grid, "--out", str(out), "--plot", str(tmp_path))
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and f"line 3: {column}" in lines[0], lines
