@@ -10,8 +10,10 @@ import argparse
 import importlib
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -187,7 +189,33 @@ def subcommand_parser(name: str) -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: the command stops as on Ctrl-C (its finally blocks stop its children)."""
+
+
+def _on_sigterm(owner: int):
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:          # a forked worker (sweep's pool): die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
+    on_term = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if on_term:
+        signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
+    try:
+        return _main(argv)
+    finally:
+        if on_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, sub = _parser()
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -213,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print(f"pdgate {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        term = isinstance(exc, Terminated)
+        print(f"pdgate {args.command}: {'terminated (SIGTERM)' if term else 'interrupted'}", file=sys.stderr)
+        return 143 if term else 130
     except (MemoryError, RecursionError) as exc:
         print(f"pdgate {args.command}: out of {'memory' if isinstance(exc, MemoryError) else 'stack'}"
               " (input too large?)", file=sys.stderr)
