@@ -67,7 +67,7 @@ def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str
             return f"{path} is a directory"
         if not out.parent.is_dir():
             return f"cannot write {path}: folder {out.parent} does not exist"
-        existed = out.exists()
+        existed = os.path.lexists(out)      # a dangling link stays (its target is made)
         fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
         try:
             os.write(fd, b"")
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
     try:
         return _main(argv)
+    except Terminated:                    # before a subcommand was chosen
+        print("pdgate: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     finally:
         if on_term:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -169,7 +169,7 @@ def write_plots(directory: str, runs: list[RunData], ideal: RunData | None = Non
         ax.set_title(f"{title} CDF, {runs[0].cfg.ranks} ranks"
                      + (f"; diverged: {', '.join(diverged)}" if diverged else ""))
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="lower right")     # below a CDF: empty
         if cost:
             dax = axes[1][0]
             for k, run in enumerate(runs):
