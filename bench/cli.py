@@ -66,8 +66,13 @@ def run(args: argparse.Namespace) -> int:
                     missed.append(f"{name}.{key}")
             print(f"  {key:40s} {value}{mark}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fp:
-            json.dump(report, fp, indent=2, sort_keys=True)
+        try:
+            with open(args.json, "w", encoding="utf-8") as fp:
+                json.dump(report, fp, indent=2, sort_keys=True)
+        except OSError as exc:
+            print(f"pdgate bench: --json: cannot write {args.json}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 2
     if missed:
         print(f"goals missed: {', '.join(missed)}")
     return 0

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -86,7 +89,8 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     from impl.mooncake.timeline import timeline
     from model.spec.validate import validate
 
-    work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="pdgate-e2e-"))
+    # absolute: the children run in the repository, not in this process's folder
+    work = Path(cfg.work_dir).absolute() if cfg.work_dir else Path(tempfile.mkdtemp(prefix="pdgate-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     rank_args = [*cfg.rank_args, "--variant", cfg.variant, "--slots", str(cfg.slots)]
     if cfg.timeout_steps is not None:
@@ -94,6 +98,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
                       timeout_s=cfg.timeout_s, netns=cfg.netns)
     error, results, baseline, prefill_stats = None, None, None, {}
+    _INTERRUPTS.arm(True)
     try:
         extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
         prefill, endpoint = cluster.start_prefill(0, cfg.requests,
@@ -103,17 +108,24 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         if cfg.during is not None:
             cfg.during(cluster, prefill)
         cluster.wait_idle(cfg.timeout_s)
-        if cfg.baseline:
-            prefill.send("baseline")
-            baseline = prefill.read(cfg.timeout_s, "baseline figures")
-        prefill.send("stats")
-        prefill_stats = prefill.read(30, "prefill stats")
+        try:
+            if cfg.baseline:
+                prefill.send("baseline")
+                baseline = prefill.read(cfg.timeout_s, "baseline figures")
+            prefill.send("stats")
+            prefill_stats = prefill.read(30, "prefill stats")
+        except ClusterError as exc:      # a dead prefill: the ranks' decisions still count
+            error = _first_line(exc)
         results = cluster.finish()
-        prefill.send("quit")
-        prefill.close(30)
+        if error is None:
+            prefill.send("quit")
+            prefill.close(30)
     except (ClusterError, OSError, KeyError, ValueError) as exc:
-        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        error = error or _first_line(exc)
+    except KeyboardInterrupt as exc:     # SIGINT, or SIGTERM (_Interrupts)
+        error = f"interrupted by {signal.Signals(getattr(exc, 'signum', signal.SIGINT)).name}"
     finally:
+        _INTERRUPTS.arm(False)
         cluster.close()
     partial = results is None
     logs = [load_log(str(work / f"rank{r}.jsonl"), partial=partial) for r in range(cfg.ranks)]
@@ -150,6 +162,53 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         out.update(raw_mb_per_s=round(raw, 2), raw_bytes=baseline["bytes"],
                    throughput_ratio=round(baseline["seconds"] / out["seconds"], 3))
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) during a run: it stops there and still writes its JSON."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM, while ``pdgate e2e`` runs: the first, while the cluster runs
+    (``armed``), raises Interrupted there; any other is only recorded, so the cleanup
+    (children killed, trace and JSON written) finishes before the exit 128 + signal."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._armed = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if first and self._armed:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        self.signum = None
+        old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def arm(self, on: bool) -> None:
+        self._armed = on and self.signum is None
+
+
+_INTERRUPTS = _Interrupts()
 
 
 def run_ok(out: dict[str, Any]) -> bool:
@@ -260,11 +319,16 @@ def run(args: argparse.Namespace) -> int:
                                                  args.gate_timeout_s),
                     args.slots, args.baseline, args.trace, args.timeout_s, args.host,
                     args.step_ms, args.work_dir, netns=netns)
-    out = run_e2e(cfg)
-    ok = run_ok(out)
-    json_path = args.json or str(Path(out["work_dir"]) / "e2e.json")
-    with open(json_path, "w", encoding="utf-8") as fp:
-        json.dump(out, fp, indent=2, sort_keys=True)
+    with _INTERRUPTS.installed() as interrupted:
+        out = run_e2e(cfg)
+        ok = run_ok(out)
+        json_path = args.json or str(Path(out["work_dir"]) / "e2e.json")
+        try:
+            with open(json_path, "w", encoding="utf-8") as fp:
+                json.dump(out, fp, indent=2, sort_keys=True)
+        except OSError as exc:
+            print(f"pdgate e2e: --json: cannot write {json_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     if out["error"]:
         print(f"pdgate e2e: {out['error']}", file=sys.stderr)
     for key in (*KEYS, "dropped_frames", "rejected_frames", "broken_connections", "disturbed",
@@ -279,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         _remove_rank_files(Path(out["work_dir"]), args.ranks)
     else:
         print(f"rank logs kept in {out['work_dir']}")
-    return 0 if ok else 1
+    return 128 + interrupted.signum if interrupted.signum else 0 if ok else 1
 
 
 def _remove_rank_files(work: Path, ranks: int) -> None:

@@ -10,8 +10,10 @@ import argparse
 import importlib
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -53,29 +55,31 @@ def number(lo: float | None = None, hi: float | None = None, *, above: bool = Fa
 
 def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be written (checked before any work), or None. It is opened
-    for appending (created and removed again if it did not exist): permission bits alone
-    say nothing for root or for /proc. It must not be one of ``inputs`` (``replay X
-    --out X`` would overwrite its own input)."""
+    for appending, without blocking (a FIFO with no reader is refused, not waited on),
+    and given an empty write, which /dev/full refuses (permission bits alone say nothing
+    for root or for /proc); a file it created is removed again. It must not be one of
+    ``inputs`` (``replay X --out X`` would overwrite its own input)."""
     out = Path(path)
-    for src in inputs:
-        try:
+    try:
+        for src in inputs:
             if out.exists() and Path(src).exists() and out.samefile(src):
                 return f"{path} is also the input; choose another output path"
-        except OSError:
-            pass
-    if out.is_dir():
-        return f"{path} is a directory"
-    parent = out.parent
-    if not parent.is_dir():
-        return f"cannot write {path}: folder {parent} does not exist"
-    existed = out.exists()
-    try:
-        with open(out, "a", encoding="utf-8"):
-            pass
+        if out.is_dir():
+            return f"{path} is a directory"
+        if not out.parent.is_dir():
+            return f"cannot write {path}: folder {out.parent} does not exist"
+        existed = os.path.lexists(out)      # a dangling link stays (its target is made)
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
         if not existed:
             out.unlink()
     except OSError as exc:
         return f"cannot write {path}: {exc.strerror or exc}"
+    except ValueError as exc:           # a NUL byte in the path
+        return f"cannot write {str(path)[:80]!r}: {exc}"
     return None
 
 
@@ -90,20 +94,25 @@ def _can_create_in(folder: Path) -> bool:
 # Output paths by subcommand (argparse dest), checked before any work: files, folders.
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
-    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",),
+    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",), "conform": ("json",),
     "calibrate": ("out", "json")}
-OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
-INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
+OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",),
+                                           "sweep": ("plot",), "e2e": ("work_dir",)}
+INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",),
+                                           "sweep": ("trace_in",), "validate": ("trace",)}
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be used as an output folder (existing, or creatable), or None."""
     out = Path(path)
-    if out.exists():
-        if not out.is_dir():
-            return f"{path} exists and is not a folder"
-        return None if _can_create_in(out) else f"cannot write into {path}"
-    parent = next((q for q in out.parents if q.exists()), Path("."))
+    try:
+        if out.exists():
+            if not out.is_dir():
+                return f"{path} exists and is not a folder"
+            return None if _can_create_in(out) else f"cannot write into {path}"
+        parent = next((q for q in out.parents if q.exists()), Path("."))
+    except (OSError, ValueError) as exc:
+        return f"cannot use folder {str(path)[:80]!r}: {getattr(exc, 'strerror', None) or exc}"
     if not parent.is_dir() or not _can_create_in(parent):
         return f"cannot create folder {path}: {parent} is not a writable folder"
     return None
@@ -112,12 +121,18 @@ def folder_problem(path: str | os.PathLike) -> str | None:
 def output_problem(command: str, args: argparse.Namespace) -> str | None:
     """The first output path of ``command`` that cannot be written, as one line."""
     inputs = [v for v in (getattr(args, n, None) for n in INPUT_FILES.get(command, ())) if v]
+    seen: dict[str, str] = {}
     for name in OUTPUT_FILES.get(command, ()):
         value = getattr(args, name, None)
         if isinstance(value, str) and value:
+            flag = f"--{name.replace('_', '-')}"
             problem = writable_problem(value, *inputs)
             if problem:
-                return f"--{name.replace('_', '-')}: {problem}"
+                return f"{flag}: {problem}"
+            where = os.path.realpath(value)
+            if where in seen and where != os.devnull:     # one would overwrite the other
+                return f"{flag}: {value} is also {seen[where]}'s path; choose another"
+            seen[where] = flag
     for name in OUTPUT_DIRS.get(command, ()):
         value = getattr(args, name, None)
         if isinstance(value, str) and value:
@@ -176,7 +191,36 @@ def subcommand_parser(name: str) -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: the command stops as on Ctrl-C (its finally blocks stop its children)."""
+
+
+def _on_sigterm(owner: int):
+    def handler(signum: int, frame: object) -> None:
+        if os.getpid() != owner:          # a forked worker (sweep's pool): die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
+    on_term = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if on_term:
+        signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
+    try:
+        return _main(argv)
+    except Terminated:                    # before a subcommand was chosen
+        print("pdgate: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    finally:
+        if on_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, sub = _parser()
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -202,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print(f"pdgate {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        term = isinstance(exc, Terminated)
+        print(f"pdgate {args.command}: {'terminated (SIGTERM)' if term else 'interrupted'}", file=sys.stderr)
+        return 143 if term else 130
     except (MemoryError, RecursionError) as exc:
         print(f"pdgate {args.command}: out of {'memory' if isinstance(exc, MemoryError) else 'stack'}"
               " (input too large?)", file=sys.stderr)

@@ -47,7 +47,8 @@ def ttft_cost(runs: list[RunData], bases: list[RunData]) -> dict[str, Any]:
         method = "replication means"
     else:
         d = diffs[0]
-        per_rep = [float(b.mean()) for b in np.array_split(d, min(BATCHES, len(d))) if len(b)]
+        per_rep = [float(b.mean()) for b in np.array_split(d, min(BATCHES, len(d))) if len(b)] \
+            if len(d) else []     # a variant that diverged before its first commit: no pairs
         method = "batch means"
     if not per_rep:
         return {"mean_ms": None, "ci95_ms": None, "pairs": 0, "method": method}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from model.spec.trace import open_input
 from sim.errors import SimInputError
 
 # kind -> (number of parameters, description for error messages)
@@ -68,7 +69,7 @@ MAX_EMPIRICAL_BYTES = 64 << 20
 
 def load_empirical(path: str, flag: str) -> tuple[float, ...]:
     try:
-        with open(path, encoding="utf-8") as fp:
+        with open_input(path, "utf-8-sig") as fp:      # a BOM dropped; a FIFO never waited on
             text = fp.read(MAX_EMPIRICAL_BYTES + 1)     # bounded: /dev/zero is a file too
     except (OSError, UnicodeDecodeError) as exc:
         raise SimInputError(f"{flag}: cannot read empirical file {path}: "

@@ -7,6 +7,7 @@ faults, room and payload under every variant, and decode step j the same forward
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -121,6 +122,23 @@ class Draws:
         out = DrawChunk(xfer, lag, fail_rank, lost, late, fence, room, payload)
         _check_bounded(out, cfg, self.prefill_ms[lo:hi])
         return out
+
+
+def prefill_schedule(arrivals: list[float], durations: list[float],
+                     servers: int) -> tuple[list[float], list[int]]:
+    """FIFO prefill servers (the engine's plan, and Perfetto's prefill slices): each
+    request's prefill end time, in request order, and the server that ran it (the
+    earliest free one)."""
+    free = [(0.0, s) for s in range(servers)]
+    ends: list[float] = []
+    which: list[int] = []
+    for t, dur in zip(arrivals, durations):
+        at, s = free[0]
+        end = max(t, at) + dur
+        heapq.heapreplace(free, (end, s))
+        ends.append(end)
+        which.append(s)
+    return ends, which
 
 
 def draw(cfg: SimConfig, wl: Workload) -> Draws:

@@ -35,7 +35,7 @@ from model.spec.trace import TraceWriter
 from model.spec.timeouts import deployed_variant
 from model.spec.variants import VARIANTS, Admission, Variant
 from sim.config import SimConfig
-from sim.draws import Draws, draw, stream
+from sim.draws import Draws, draw, prefill_schedule, stream
 from sim.steptimes import StepTimes
 from sim.errors import SimInputError
 from sim.rundata import Divergence, RunData
@@ -271,13 +271,8 @@ class Simulation:
         """Prefill completion times and requests, in completion order. Prefill depends
         on nothing the decode side does (FIFO servers, fixed durations), so it is planned
         up front and SimPy gets one event per completion instant, none per arrival."""
-        servers = [0.0] * self.cfg.prefill_servers
-        done = array("d")
-        for t, dur in zip(self.arrivals, self.d.prefill_ms.tolist()):
-            end = max(t, servers[0]) + dur
-            heapq.heapreplace(servers, end)       # the earliest free server takes it
-            done.append(end)
-        times = np.frombuffer(done)
+        ends, _ = prefill_schedule(self.arrivals, self.d.prefill_ms.tolist(), self.cfg.prefill_servers)
+        times = np.asarray(ends, dtype=np.float64)
         order = np.argsort(times, kind="stable")
         return times[order].tolist(), order.tolist()     # lists: an index and a slice per completion
 

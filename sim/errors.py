@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import Callable
 
 
@@ -18,30 +16,14 @@ class SimCutShort(Exception):
 
 
 def check_writable(path: str | None, flag: str, directory: bool = False) -> None:
-    """Refuse, before any work, an output path that could not be written: probed by
-    opening it (an existing file in append mode, so it is left as it is; a new one is
-    created and removed), because permission bits say nothing to root or about /proc."""
+    """Refuse, before any work, an output path (a file, or a ``directory``) that could
+    not be written: model.cli's probes, which every subcommand shares."""
+    from model.cli import folder_problem, writable_problem
     if path is None:
         return
-    target = Path(path)
-    try:
-        if directory:
-            if target.exists() and not target.is_dir():
-                raise SimInputError(f"{flag}: {path} exists and is not a directory")
-            made = not target.exists()
-            target.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=target).close()
-            if made:
-                target.rmdir()
-        elif target.is_dir():
-            raise SimInputError(f"{flag}: {path} is a directory")
-        elif target.exists():
-            open(target, "a").close()
-        else:
-            open(target, "x").close()
-            target.unlink()
-    except OSError as exc:
-        raise SimInputError(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+    problem = folder_problem(path) if directory else writable_problem(path)
+    if problem:
+        raise SimInputError(f"{flag}: {problem}")
 
 
 def run_reporting(prog: str, execute: Callable[[argparse.Namespace], object],

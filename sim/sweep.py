@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import socket
 import sys
 import time
 from typing import Any, Iterable, Iterator
@@ -216,8 +217,9 @@ def _dask(args: argparse.Namespace, jobs: list[tuple]) -> Iterator[tuple[tuple, 
             cluster = LocalCluster(n_workers=min(args.jobs, len(jobs)), threads_per_worker=1,
                                    processes=True, dashboard_address=None, silence_logs=logging.ERROR)
             client = Client(cluster, timeout=DASK_CONNECT_S)
-    except OSError as exc:
-        raise SimInputError(f"--address: cannot reach a Dask scheduler at {args.address}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise SimInputError(f"--address: cannot reach a Dask scheduler at {args.address}: "
+                            f"{str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}") from None
     try:
         futures = client.map(_cell, jobs, pure=False)
         deadline = args.cell_timeout * len(jobs) + BACKSTOP_S
@@ -260,10 +262,13 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.capacity and args.trace_in:
         raise SimInputError("--capacity: searches a synthetic rate; with --trace-in sweep --rate "
                             "(target mean rates) instead")
-    if args.address and args.engine != "dask":
-        raise SimInputError("--address: applies to --engine dask")
+    if args.address is not None:
+        _check_address(args)
     if args.plot and (args.capacity or args.hazard):
         raise SimInputError("--plot: draws the grid's TTFT p99 vs rate (not --capacity or --hazard)")
+    if os.path.exists(args.out) and not os.path.isfile(args.out):
+        raise SimInputError(f"--out: {args.out} is not a regular file (a sweep resumes from "
+                            f"its rows and replaces it with the finished grid)")
     check_writable(args.out, "--out")
     check_writable(args.plot, "--plot", directory=True)
     # fail fast on bad strings and unbounded draws before starting processes (the
@@ -275,6 +280,26 @@ def _check(args: argparse.Namespace) -> list[str]:
     for lag in args.metadata_lag:
         draw(build_config(args, variants[0], min(args.ranks), [lag], args.seed, several=True), workload)
     return variants
+
+
+def _check_address(args: argparse.Namespace) -> None:
+    """--address names a scheduler Dask can dial and whose host resolves (a bad one was
+    an internal error, or a 30 s wait, after the CSV had been rewritten)."""
+    if args.engine != "dask":
+        raise SimInputError("--address: applies to --engine dask")
+    try:
+        from distributed.comm import get_address_host_port
+        host, port = get_address_host_port(args.address)
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} out of range 1..65535")
+        socket.getaddrinfo(host, port)
+    except ImportError as exc:       # pragma: no cover - a dependency of pdgate
+        raise SimInputError(f"--engine dask: cannot import distributed ({exc})") from None
+    except (ValueError, TypeError) as exc:
+        raise SimInputError(f"--address: {args.address[:80]!r} is not a scheduler address "
+                            f"(tcp://HOST:PORT): {str(exc)[:120]}") from None
+    except (OSError, UnicodeError):
+        raise SimInputError(f"--address: host {host[:80]!r} does not resolve") from None
 
 
 def _cells(args: argparse.Namespace, variants: list[str], mode: str) -> list[tuple]:
@@ -303,10 +328,31 @@ def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], p
             done: dict[tuple, list[dict]] = {}
             for row in reader:
                 if row["params"] == params:
+                    _check_resumed(row, path, reader.line_num)
                     done.setdefault(_key(row[c] for c in key_cols), []).append(row)
             return done
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise SimInputError(f"--out: cannot read {path} to resume: {exc}") from None
+
+
+RESUMED_NUMBERS = ("rate", "ttft_p99_ms", "capacity_rate", "ttft_p99_target_ms")
+
+
+def _check_resumed(row: dict, path: str, line: int) -> None:
+    """A resumed row's values that the summary and the plot read back: numbers (or
+    empty) and a True/False ``diverged``; an edited file is refused, not a crash."""
+    for col in RESUMED_NUMBERS:
+        text = row.get(col) or ""
+        try:
+            ok = text == "" or math.isfinite(float(text))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SimInputError(f"--out: {path} line {line}: {col} {text[:40]!r} is not a finite "
+                                f"number; remove that row (or the file) to recompute it")
+    if row.get("diverged", "") not in ("", "True", "False"):
+        raise SimInputError(f"--out: {path} line {line}: diverged {row['diverged'][:40]!r} is not "
+                            f"True or False; remove that row (or the file) to recompute it")
 
 
 def write_csv(path: str, rows: Iterable[dict], columns: tuple[str, ...], mode: str = "w") -> None:

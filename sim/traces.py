@@ -20,9 +20,13 @@ requests, or any format's) is kept as a *failed* request: its transfer fails.
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
 import math
+import os
 import re
+import zlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,7 +82,7 @@ def datetime_ns(text: str, where: str) -> int:
     """Integer ns since the Unix epoch of a trace date-time (UTC unless an offset says)."""
     m = _DATETIME.fullmatch(text.strip())
     if not m:
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} is not a date-time like "
+        raise SimInputError(f"{where}: TIMESTAMP {text[:40]!r} is not a date-time like "
                             f"2023-11-16 18:17:03.9799600 or 2024-10-15T12:00:00.269Z")
     y, mo, d, hh, mm, ss = (int(g) for g in m.groups()[:6])
     frac, zone = m.group(7) or "", m.group(8)
@@ -86,7 +90,7 @@ def datetime_ns(text: str, where: str) -> int:
     month_days = (31, 29 if leap else 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)[mo - 1] \
         if 1 <= mo <= 12 else 0
     if not (1 <= y and 1 <= mo <= 12 and 1 <= d <= month_days and hh < 24 and mm < 60 and ss < 60):
-        raise SimInputError(f"{where}: TIMESTAMP {text!r} is not a valid date-time")
+        raise SimInputError(f"{where}: TIMESTAMP {text[:40]!r} is not a valid date-time")
     secs = _days_from_civil(y, mo, d) * 86400 + hh * 3600 + mm * 60 + ss
     if zone and zone != "Z":
         sign = -1 if zone[0] == "-" else 1
@@ -99,9 +103,9 @@ def _seconds_ns(text: str, where: str, name: str) -> int:
     try:
         val = float(text)
     except ValueError:
-        raise SimInputError(f"{where}: {name} {text!r} is not a number of seconds") from None
+        raise SimInputError(f"{where}: {name} {text[:40]!r} is not a number of seconds") from None
     if not math.isfinite(val) or val < 0 or val > 1e12:
-        raise SimInputError(f"{where}: {name} {text!r} must be a finite number of seconds in 0..1e12")
+        raise SimInputError(f"{where}: {name} {text[:40]!r} must be a finite number of seconds in 0..1e12")
     return round(val * 1e9)
 
 
@@ -119,7 +123,7 @@ def _count(value: object, where: str, name: str, hi: int = MAX_TOKENS) -> int:
         try:
             value = int(text) if text.lstrip("+-").isdigit() else float(text)
         except ValueError:
-            raise SimInputError(f"{where}: {name} {text!r} is not a non-negative integer") from None
+            raise SimInputError(f"{where}: {name} {text[:40]!r} is not a non-negative integer") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SimInputError(f"{where}: {name} must be a non-negative integer, got {type(value).__name__}")
     if isinstance(value, float) and not (math.isfinite(value) and value == int(value)):
@@ -138,6 +142,9 @@ def _lines(fp: IO[str], path: str) -> Iterator[tuple[int, str]]:
             line = fp.readline(MAX_LINE + 1)
         except UnicodeDecodeError:
             raise SimInputError(f"--trace-in: {path} line {n + 1}: not UTF-8 text") from None
+        except (OSError, EOFError, zlib.error) as exc:     # a truncated or corrupt .gz
+            raise SimInputError(f"--trace-in: {path} line {n + 1}: cannot read: "
+                                f"{getattr(exc, 'strerror', None) or exc}") from None
         if not line:
             return
         n += 1
@@ -235,22 +242,50 @@ def _csv_rows(fp: IO[str], path: str) -> tuple[str, Iterator[tuple[int, int, int
     return fmt, rows()
 
 
+# leading bytes -> what the file is, for files we refuse with a hint
+_REFUSED = {b"PK\x03\x04": ("a zip archive", "unzip it first"),
+            b"BZh": ("bzip2 data", "bunzip2 it first"), b"\xfd7zXZ": ("xz data", "unxz it first"),
+            b"\x28\xb5\x2f\xfd": ("zstd data", "unzstd it first"),
+            b"\xff\xfe": ("UTF-16 text", "convert it first: iconv -f UTF-16 -t UTF-8"),
+            b"\xfe\xff": ("UTF-16 text", "convert it first: iconv -f UTF-16 -t UTF-8")}
+_GZIP = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
+
+
+def open_trace(path: str) -> tuple[IO[str], bytes]:
+    """``path`` as UTF-8 text (a leading BOM, as Excel writes, dropped; gzip, as Azure
+    2025 is published, decompressed as it is read), and its first bytes of content.
+    Other archives and UTF-16 are refused with the command that converts them. A FIFO
+    nobody writes to reads as empty instead of hanging."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        raw: IO[bytes] = io.BufferedReader(io.FileIO(fd, "rb"))
+        magic = raw.peek(8)[:8]
+        if magic[:2] == _GZIP:
+            raw = gzip.GzipFile(fileobj=raw, mode="rb")
+            magic = raw.peek(8)[:8]
+        head = magic[len(_BOM):] if magic.startswith(_BOM) else magic
+    except (OSError, EOFError, zlib.error) as exc:
+        raise SimInputError(f"--trace-in: cannot read {path}: "
+                            f"{getattr(exc, 'strerror', None) or exc}") from None
+    for lead, (what, fix) in _REFUSED.items():
+        if magic.startswith(lead):
+            raw.close()
+            raise SimInputError(f"--trace-in: {path} is {what}; {fix} (CSV or JSON lines, "
+                                f"plain or .gz, are read)")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", newline=""), head
+
+
 def read_trace(path: str, limit: int | None = None, window_s: tuple[float, float] | None = None,
                cache_blocks: int = DEFAULT_CACHE_BLOCKS) -> TraceRows:
     """Stream ``path`` (format by content: JSON lines, else a CSV header), keeping the
     rows inside ``window_s`` (seconds from the first row, [start, end)) up to ``limit``
     of them; the prefix cache sees every row read (it warms up before the window)."""
-    try:
-        fp = open(path, encoding="utf-8", newline="")
-    except OSError as exc:
-        raise SimInputError(f"--trace-in: cannot read {path}: {exc.strerror}") from None
+    fp, head = open_trace(path)
     with fp:
-        try:
-            head = fp.read(1)
-        except UnicodeDecodeError:
-            raise SimInputError(f"--trace-in: {path} line 1: not UTF-8 text") from None
-        fp.seek(0)
-        if Path(path).suffix.lower() in (".jsonl", ".json") or head in ("{", "["):
+        suffixes = [x.lower() for x in Path(path).suffixes if x.lower() != ".gz"]
+        if suffixes[-1:] in ([".jsonl"], [".json"]) or head[:1] in (b"{", b"["):
             fmt, rows = "mooncake", _mooncake_rows(fp, path)
         else:
             fmt, rows = _csv_rows(fp, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable, Iterator, TypeVar
 
@@ -160,7 +161,8 @@ def _parse_rank_step(obj: Any, line: int, ranks: int) -> RankStep:
     out = []
     for p in popped:
         if (not isinstance(p, list) or len(p) != 3 or not isinstance(p[0], int)
-                or p[1] not in _DECISION_BY_NAME or not isinstance(p[2], int)):
+                or not isinstance(p[1], str) or p[1] not in _DECISION_BY_NAME
+                or not isinstance(p[2], int)):
             raise TraceFormatError(line, f"step: {what} popped entry {p!r} is not [req, decision, payload]")
         out.append((p[0], int(_DECISION_BY_NAME[p[1]]), p[2]))
     return RankStep(rank, _int_list(obj, "queue", line, what),
@@ -175,16 +177,16 @@ def parse_record(obj: Any, line: int, header: Header) -> Event | StepRecord | Vi
     if not isinstance(obj, dict):
         raise TraceFormatError(line, "record must be a JSON object")
     kind = obj.get("kind")
-    if kind not in KINDS or kind == "header":
-        raise TraceFormatError(line, f"unknown record kind {kind!r}")
+    if not isinstance(kind, str) or kind not in KINDS or kind == "header":
+        raise TraceFormatError(line, f"unknown record kind {kind!r:.60}")
     if kind == "enqueue":
         return Enqueue(_int(obj, "req", line), _int(obj, "room", line, 0, 2**64 - 1),
                        _int(obj, "payload", line, -2**31, 2**31 - 1))
     if kind in ENV_KINDS:
         rank, req = _int(obj, "rank", line, 0, header.ranks - 1), _int(obj, "req", line)
         if kind == "land":
-            if obj.get("field") not in FIELDS:
-                raise TraceFormatError(line, f"land: field must be one of {FIELDS}, got {obj.get('field')!r}")
+            if not isinstance(obj.get("field"), str) or obj["field"] not in FIELDS:
+                raise TraceFormatError(line, f"land: field must be one of {FIELDS}, got {obj.get('field')!r:.60}")
             return Land(rank, req, obj["field"])
         return ENV_KINDS[kind](rank, req)
     if kind == "step":
@@ -240,7 +242,7 @@ def read_trace_file(path: str, parse: Callable[[Iterable[str]], T]) -> T:
     """``parse`` the lines of the trace file at ``path`` (each read with a length bound). Unreadable, non-UTF-8 or malformed input
     raises ``TraceInputError`` whose ``str()`` is one line."""
     try:
-        with open(path, encoding="utf-8") as fp:
+        with open_input(path) as fp:
             return parse(bounded_lines(fp))
     except OSError as exc:
         raise TraceInputError(f"cannot read {path}: {exc.strerror}") from None
@@ -248,6 +250,19 @@ def read_trace_file(path: str, parse: Callable[[Iterable[str]], T]) -> T:
         raise TraceInputError(f"{path} is not UTF-8 text") from None
     except TraceFormatError as exc:
         raise TraceInputError(f"{path}: {exc}") from None
+
+
+def open_input(path: str, encoding: str = "utf-8") -> IO[str]:
+    """``path`` opened as UTF-8 text for reading, without waiting for a writer: a FIFO
+    nobody writes to reads as empty instead of hanging (a pipe that is written,
+    ``<(cmd)`` or /dev/stdin, still streams)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        os.set_blocking(fd, True)
+        return open(fd, encoding=encoding)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class TraceInputError(ValueError):

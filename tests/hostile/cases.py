@@ -33,6 +33,9 @@ def good_trace(variant: str = "gate", ranks: int = 2, slots: int = 2) -> list[st
     return fp.getvalue().splitlines()
 
 
+FIFO = "{fifo}"     # a TraceCase path: the test makes a FIFO there (tests.hostile.test_hostile)
+
+
 @dataclass(frozen=True)
 class TraceCase:
     name: str
@@ -62,7 +65,7 @@ def _wrong_types(good: list[str]) -> list[TraceCase]:
     for i, text in enumerate(good):
         obj = json.loads(text)
         kind = obj["kind"]
-        for key in [k for k in obj if k not in ("kind", "t", "source", "format")]:
+        for key in [k for k in obj if k not in ("t", "source", "format")]:
             for vname, value in WRONG_VALUES.items():
                 out.append(TraceCase(f"{kind}.{key}={vname}", _text(_with(good, i, {**obj, key: value}))))
         if kind == "step":
@@ -72,7 +75,8 @@ def _wrong_types(good: list[str]) -> list[TraceCase]:
                     bad = json.loads(text)
                     bad["ranks"][0][key] = WRONG_VALUES[vname]
                     out.append(TraceCase(f"step.ranks[0].{key}={vname}", _text(_with(good, i, bad))))
-            for bad_pop in ([["0", "commit", 5]], [[0, "explode", 5]], [[0, "commit"]], [5]):
+            for bad_pop in ([["0", "commit", 5]], [[0, "explode", 5]], [[0, "commit"]], [5],
+                            [[0, ["commit"], 5]], [[0, {"commit": 1}, 5]]):
                 bad = json.loads(text)
                 bad["ranks"][0]["popped"] = bad_pop
                 out.append(TraceCase(f"step.popped={json.dumps(bad_pop)}", _text(_with(good, i, bad))))
@@ -138,6 +142,8 @@ def trace_cases() -> list[TraceCase]:
         TraceCase("/dev/zero", path="/dev/zero"),
         TraceCase("a directory", path="/"),
         TraceCase("a missing file", path="/nonexistent/trace.jsonl"),
+        TraceCase("a FIFO nobody writes to", path=FIFO),
+        TraceCase("land field a list", _text(_with(good, 4, good[4].replace('"field":"payload"', '"field":["payload"]')))),
     ]
     return cases
 
@@ -199,6 +205,41 @@ FLAG_CASES: list[list[str]] = [
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],
     ["nosuchcommand"], ["--bogus-flag"],
 ]
+
+# Unwritable outputs: a full device, a read-only file (even for root), a folder (or, for
+# a folder flag, a file), /proc, a missing parent folder, a FIFO nobody reads.
+BAD_OUTPUT_FILES = ("/dev/full", "/proc/version", "{dir}", "/proc/x", "{dir}/missing/x", FIFO)
+BAD_OUTPUT_DIRS = ("/dev/full", "/proc/version", "{trace}", "/proc/x", FIFO)
+REQUIRED_ARGS = {"replay": ["{trace}"], "conform": ["--sglang", "pinned"]}
+
+
+def output_path_cases() -> list[list[str]]:
+    """Every output flag of every subcommand (model.cli's OUTPUT_FILES and OUTPUT_DIRS)
+    given each unwritable path; sweep's resumable --out must also be a regular file."""
+    from model.cli import OUTPUT_DIRS, OUTPUT_FILES
+    out = []
+    for table, bad in ((OUTPUT_FILES, BAD_OUTPUT_FILES), (OUTPUT_DIRS, BAD_OUTPUT_DIRS)):
+        for name, dests in table.items():
+            for dest in dests:
+                flag = "--" + dest.replace("_", "-")
+                out += [[name, *REQUIRED_ARGS.get(name, []), flag, path] for path in bad]
+    return out + [["sweep", "--out", "/dev/null"], ["sweep", "--out", "/dev/zero"],
+                  ["simulate", "--json", "{dir}/x", "--perfetto", "{dir}/x"],
+                  ["e2e", "--json", "{dir}/x", "--trace", "{dir}/./x"],
+                  ["sweep", "--trace-in", "{trace}", "--out", "{trace}"],
+                  *[["simulate", "--compare", "gate,strict", "--requests", "5", "--trace", p]
+                    for p in ("/dev/full", "{dir}/missing/x")]]
+
+
+# Inputs that cannot be read, for every input flag: refused in one line.
+INPUT_CASES = [
+    *[["simulate", "--requests", "5", *flag.split("=")[:1], flag.split("=")[1] + path]
+      for flag in ("--trace-in=", "--forward=empirical:")
+      for path in ("/dev/full", "/proc/self/mem", "{dir}", FIFO, "/nonexistent.csv")],
+    *[["validate", path] for path in ("/proc/self/mem", "{dir}", FIFO)],
+    *[["replay", path] for path in ("/proc/self/mem", "{dir}", FIFO)],
+]
+
 
 def typed_flag_cases() -> list[list[str]]:
     """For every subcommand (present and future) and each of its flags that converts

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from model.cli import SUBCOMMANDS, main
-from tests.hostile.cases import (FLAG_CASES, SIM_BOUND_CASES, TraceCase, good_trace, trace_cases, typed_flag_cases,
-                                 verdict_traces)
+from tests.hostile.cases import (FIFO, FLAG_CASES, INPUT_CASES, SIM_BOUND_CASES, TraceCase, good_trace,
+                                 output_path_cases, trace_cases, typed_flag_cases, verdict_traces)
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = trace_cases()
@@ -47,10 +47,15 @@ def assert_clean(rc: int, out: str, err: str, codes=(1, 2)) -> None:
         assert len(err_lines) <= 1 and (err_lines or out.strip()), text[-500:]
 
 
-def case_path(case: TraceCase, tmp_path: Path) -> str:
+def case_path(case: TraceCase, tmp_path: Path, name: str = "case.jsonl") -> str:
+    if case.path == FIFO:
+        fifo = tmp_path / "fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo)
+        return str(fifo)
     if case.path is not None:
         return case.path
-    path = tmp_path / "case.jsonl"
+    path = tmp_path / name
     path.write_bytes(case.content)
     return str(path)
 
@@ -119,11 +124,14 @@ def test_verdict_traces_get_a_verdict_not_a_crash(tmp_path, capsys):
     assert "no free metadata slot" in out + err          # the admission refusal, named
 
 
-@pytest.mark.parametrize("argv", FLAG_CASES + typed_flag_cases(), ids=lambda a: " ".join(a))
+@pytest.mark.parametrize("argv", FLAG_CASES + typed_flag_cases() + output_path_cases() + INPUT_CASES,
+                         ids=lambda a: " ".join(a))
 def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
     trace = tmp_path / "good.jsonl"
     trace.write_text("\n".join(good_trace()) + "\n")
-    argv = [a.format(trace=trace, dir=tmp_path) for a in argv]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    argv = [a.format(trace=trace, dir=tmp_path, fifo=fifo) for a in argv]
     rc, out, err, seconds = run_cli(argv, capsys)
     assert_clean(rc, out, err, codes=(2,))
     assert seconds < SECONDS, seconds
@@ -164,14 +172,7 @@ print("RESULT " + json.dumps(out))
 def test_trace_classes_stay_within_a_memory_limit(tmp_path):
     """Every trace case in one process whose address space is capped at 1 GiB: a
     MemoryError would end it without the RESULT line."""
-    paths = []
-    for i, case in enumerate(TRACES):
-        if case.path is not None:
-            paths.append(case.path)
-            continue
-        p = tmp_path / f"{i}.jsonl"
-        p.write_bytes(case.content)
-        paths.append(str(p))
+    paths = [case_path(case, tmp_path, f"{i}.jsonl") for i, case in enumerate(TRACES)]
     proc = subprocess.run([sys.executable, "-c", _VALIDATE_ALL.format(limit=MEMORY_BYTES), *paths],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -32,6 +32,10 @@ def exit_code(argv: list[str]) -> int:
     (["--requests", "1e12"], "--requests: an integer expected"),
     (["--requests", "100000", "--max-pages", "1000", "--pages", "1000"], "MiB of prefill KV"),
     (["--json", "/nonexistent/dir/x.json"], "folder /nonexistent/dir does not exist"),
+    (["--json", "/dev/full"], "--json: cannot write /dev/full: No space left on device"),
+    (["--trace", "/dev/full"], "--trace: cannot write /dev/full: No space left on device"),
+    (["--work-dir", "/etc/hostname"], "--work-dir: /etc/hostname exists and is not a folder"),
+    (["--work-dir", "/proc/self/w"], "--work-dir: cannot create folder /proc/self/w"),
 ])
 def test_usage_errors_are_one_line(argv, message, capsys):
     import torch
@@ -186,3 +190,63 @@ def test_a_good_run_keeps_json_and_trace_and_drops_rank_logs(tmp_path, capsys):
     figs = json.loads((work / "e2e.json").read_text())
     assert figs["rejected_frames"] == 0 and figs["dropped_frames"] == 0 and not figs["disturbed"]
     assert not (work / "rank0.jsonl").exists() and (work / "trace.ndjson").exists()
+
+
+def test_a_relative_work_dir_is_the_callers_folder(tmp_path, monkeypatch, capsys):
+    """The children run in the repository: a relative --work-dir still means the
+    caller's folder (it failed with "No such file or directory: 'w0/rank0.jsonl'")."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["e2e", "--requests", "3", "--page-bytes", "4096", "--max-pages", "2",
+               "--min-pages", "1", "--work-dir", "w0"])
+    assert rc == 0, capsys.readouterr()
+    figs = json.loads((tmp_path / "w0" / "e2e.json").read_text())
+    assert figs["committed"] == 3 and figs["work_dir"] == str(tmp_path / "w0")
+
+
+def test_a_prefill_killed_mid_run_still_reports_every_ranks_decisions(tmp_path):
+    """kill -9 of the prefill: the run fails, naming it, but the ranks went on to decide
+    every request (commit or abort, all agreeing) and the JSON says so."""
+    import signal
+    import time
+    from impl.e2e import run_e2e, run_ok
+
+    def kill_prefill(cluster, prefill):
+        time.sleep(0.3)
+        prefill.signal(signal.SIGKILL)
+    out = run_e2e(_e2e_config(tmp_path, kill_prefill, requests=200))
+    assert out["error"] and "prefill0" in out["error"], out["error"]
+    assert out["committed"] is not None and out["aborted"] > 0, out
+    assert out["committed"] + out["aborted"] == 200 and out["lost"] == 0 and out["disagree"] == 0
+    assert out["trace_valid"] and not out["trace_partial"]
+    assert not run_ok(out)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_run_and_it_still_writes_its_json(sig, code, tmp_path):
+    """SIGTERM or SIGINT mid-run: the children are stopped, the JSON (naming the signal)
+    and the partial trace are written, the rank logs kept, exit 128 + signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    work = tmp_path / "w"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "model.cli", "e2e", "--requests", "5000",
+                             "--page-bytes", "4096", "--max-pages", "2", "--min-pages", "1",
+                             "--work-dir", str(work)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ((work / "rank0.jsonl").exists() and (work / "rank0.jsonl").stat().st_size):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, (out, err)
+    assert f"interrupted by {sig}" in err and "Traceback" not in err, err
+    figs = json.loads((work / "e2e.json").read_text())
+    assert figs["error"] == f"interrupted by {sig}" and figs["trace_partial"]
+    assert (work / "rank0.jsonl").exists() and (work / "trace.ndjson").exists()

@@ -85,15 +85,56 @@ def test_perfetto_has_one_track_per_rank_and_plots_are_pngs(tmp_path, capsys):
     assert rc == 0
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert names == {(p, k): f"rank {k}" for p in (1, 2) for k in range(4)}
-    slices = [e for e in events if e["ph"] == "X"]
+    assert names == {**{(p, k): f"rank {k}" for p in (1, 2) for k in range(4)},
+                     **{(p, 4 + k): f"prefill server {k}" for p in (1, 2) for k in range(4)}}
+    slices = [e for e in events if e["ph"] == "X" and e["cat"] != "prefill"]
     assert {e["tid"] for e in slices} == set(range(4)) and all(e["dur"] >= 0 for e in slices)
     assert any(e["name"].startswith("commit r") for e in events)
-    for name in ("ttft_cdf.png", "gate_delay_cdf.png"):
+    # a track per prefill server (tids 4..7, after the ranks): every request arrives,
+    # then is prefilled once, never two at a time on one server
+    for pid in (1, 2):
+        arrive = {e["name"][len("arrive r"):]: e["ts"] for e in events
+                  if e["pid"] == pid and e.get("cat") == "arrival"}
+        prefill = [e for e in events if e["pid"] == pid and e.get("cat") == "prefill"]
+        assert len(arrive) == len(prefill) == 60 and {e["tid"] for e in prefill} == {4, 5, 6, 7}
+        assert all(e["ts"] >= arrive[str(e["args"]["request"])] for e in prefill)
+        for tid in range(4, 8):
+            mine = [e for e in prefill if e["tid"] == tid]
+            assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))
+    for name, size in (("ttft_cdf.png", (700, 640)), ("gate_delay_cdf.png", (700, 400))):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
-        width, height = struct.unpack(">II", data[16:24])
-        assert (width, height) == (640, 400)
+        assert struct.unpack(">II", data[16:24]) == size       # TTFT: CDF over the cost panel
+
+
+def test_plots_show_the_cost_name_divergence_and_keep_legends_off_the_data(tmp_path, capsys, monkeypatch):
+    """The TTFT figure's second panel is the per-request difference from the ideal
+    reference (symlog x), its legend names the diverged variant; the hazard plot's x axis
+    is logarithmic; the sweep's legend sits beside the axes."""
+    import sim.outputs
+    figs = {}
+    save = sim.outputs._save
+    monkeypatch.setattr(sim.outputs, "_save", lambda fig, d, name: figs.setdefault(name, fig) and save(fig, d, name))
+    rc, out, _ = _run(capsys, "--requests", "300", "--ranks", "8", "--fail-prob", "0.02",
+                      "--compare", "gate,ungated", "--replications", "1", "--plot", str(tmp_path))
+    assert rc == 0 and "ungated: DIVERGED" in out, out
+    # ungated broke before its first commit: no pairs with one replication (was a crash)
+    assert "TTFT cost of ungated vs gate: no request committed in both runs" in out
+    top, cost = figs["ttft_cdf.png"].axes
+    assert cost.get_xscale() == "symlog" and "ideal reference" in cost.get_title()
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert any(t.startswith("ungated (DIVERGED at t=") for t in labels) and "gate" in labels, labels
+    assert "diverged: ungated" in top.get_title()
+    gate_cost = [t.get_text() for t in cost.get_legend().get_texts() if t.get_text().startswith("gate:")]
+    assert gate_cost and "mean +" in gate_cost[0], gate_cost
+    assert len(figs["gate_delay_cdf.png"].axes) == 1
+    rc, _, _ = _run(capsys, "--hazard", "--compare", "ungated,strict", "--replications", "2",
+                    "--requests", "100", "--ranks", "4", "--plot", str(tmp_path))
+    assert rc == 0 and figs["hazard.png"].axes[0].get_xscale() == "log"
+    assert main(["sweep", "--variant", "gate", "--ranks", "2", "--rate", "2,4", "--requests", "40", "--jobs", "1",
+                 "--out", str(tmp_path / "s.csv"), "--plot", str(tmp_path)]) == 0
+    sweep = figs["ttft_p99_vs_rate.png"]
+    assert sweep.axes[0].get_legend() is None and len(sweep.legends) == 1
 
 
 BAD = [

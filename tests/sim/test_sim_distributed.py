@@ -72,3 +72,56 @@ def test_sweep_bad_flags_are_one_line(capsys, argv, flag, tmp_path):
     rc, _, err = _sweep(capsys, *argv)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and flag in lines[0]
+
+
+@pytest.mark.parametrize("column, value", [("ttft_p99_ms", "abc"), ("rate", "nan"), ("diverged", "maybe")])
+def test_an_edited_resume_row_is_refused_in_one_line(tmp_path, capsys, column, value):
+    out = tmp_path / "s.csv"
+    grid = ["--variant", "gate", "--ranks", "2", "--rate", "2,4", "--requests", "30", "--jobs", "1"]
+    assert _sweep(capsys, *grid, "--out", str(out))[0] == 0
+    rows = list(csv.DictReader(open(out)))
+    rows[1][column] = value
+    with open(out, "w", newline="") as fp:
+        w = csv.DictWriter(fp, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    rc, _, err = _sweep(capsys, *grid, "--out", str(out), "--plot", str(tmp_path))
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and f"line 3: {column}" in lines[0], lines
+
+
+def test_sigterm_stops_a_sweep_in_one_line_and_it_resumes(tmp_path):
+    """SIGTERM stops the sweep as Ctrl-C does: its pool's workers are stopped, one line,
+    exit 143, and the cells already finished stay in the CSV for a resumed run."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "s.csv"
+    proc = subprocess.Popen([sys.executable, "-m", "model.cli", "sweep", "--variant", "gate,strict",
+                             "--ranks", "2,4,8", "--rate", "1,2,4,8", "--requests", "3000", "--jobs", "2",
+                             "--out", str(out)], cwd=Path(__file__).resolve().parents[2],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and len(out.read_text().splitlines()) > 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fp:
+            workers = [int(p) for p in fp.read().split()]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert workers, "the pool had started"
+    time.sleep(1)
+    for pid in workers:                       # no worker left behind
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fp:
+                assert b"model.cli" not in fp.read(), f"worker {pid} still runs"
+        except FileNotFoundError:
+            pass
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "pdgate sweep: terminated (SIGTERM)", err
+    assert "Traceback" not in err
+    rows = list(csv.DictReader(open(out)))
+    assert 1 <= len(rows) < 24 and all(r["params"] == rows[0]["params"] for r in rows)

@@ -33,7 +33,7 @@ def test_hazard_reports_breaks_for_weak_variants_and_none_for_strict(tmp_path, c
         if r["breaks"] > 1:
             assert 0 <= r["requests_to_break_ci95_lo"] <= r["requests_to_break_mean"] <= r["requests_to_break_ci95_hi"]
             assert 0 < r["seconds_to_break_mean"]
-    assert _png_size(tmp_path / "hazard.png") == (640, 400)
+    assert _png_size(tmp_path / "hazard.png") == (840, 400)
 
 
 def test_first_break_counts_the_requests_arrived_by_then():
@@ -59,4 +59,4 @@ def test_sweep_grids_the_hazard_and_plots_the_grid(tmp_path, capsys):
     grid = tmp_path / "g.csv"
     assert main(["sweep", "--variant", "gate,strict", "--ranks", "4", "--rate", "4,16", "--requests", "100",
                  "--jobs", "1", "--out", str(grid), "--plot", str(tmp_path)]) == 0
-    assert _png_size(tmp_path / "ttft_p99_vs_rate.png") == (700, 440)
+    assert _png_size(tmp_path / "ttft_p99_vs_rate.png") == (960, 440)

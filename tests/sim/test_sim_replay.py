@@ -258,3 +258,72 @@ def test_a_run_past_its_step_bound_stops_with_one_line(capsys):
                         "--metadata-lag", "const:1e7", "--max-steps", "2000")
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "--max-steps reached" in lines[0]
+
+
+def _packed(path: Path, kind: str, source: Path) -> None:
+    """``source`` as Excel saves it (a UTF-8 BOM), gzip'd (as Azure 2025 is published),
+    both, or cut short."""
+    import gzip
+    data = source.read_bytes()
+    if kind in ("bom", "bom+gz"):
+        data = b"\xef\xbb\xbf" + data
+    if kind.endswith("gz"):
+        data = gzip.compress(data)
+    if kind == "cut gz":
+        data = data[:len(data) // 2]
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("name, kind", [("a.csv", "bom"), ("a.csv.gz", "gz"), ("a.csv.gz", "bom+gz"),
+                                        ("a.gz.unnamed", "gz")])
+def test_bom_and_gzip_csv_read_as_the_plain_file(tmp_path, name, kind):
+    plain = read_trace(str(DATA / "azure_sample.csv"))
+    path = tmp_path / name
+    _packed(path, kind, DATA / "azure_sample.csv")
+    got = read_trace(str(path))
+    assert got.fmt == plain.fmt == "azure" and len(got) == len(plain) > 0
+    assert list(got.arrival_ms) == list(plain.arrival_ms) and list(got.input_len) == list(plain.input_len)
+
+
+def test_gzip_jsonl_reads_as_the_plain_file(tmp_path):
+    path = tmp_path / "m.jsonl.gz"
+    _packed(path, "gz", DATA / "mooncake_sample.jsonl")
+    got, plain = read_trace(str(path)), read_trace(str(DATA / "mooncake_sample.jsonl"))
+    assert got.fmt == "mooncake" and list(got.cached_tokens) == list(plain.cached_tokens)
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"PK\x03\x04rest", "is a zip archive; unzip it first"),
+    (b"BZh91AY", "is bzip2 data; bunzip2 it first"),
+    (b"\xfd7zXZ\x00", "is xz data; unxz it first"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n".encode("utf-16"), "is UTF-16 text; convert it first"),
+    (None, "cannot read: Compressed file ended"),
+    (b"\x1f\x8bnot gzip at all", "cannot read"),
+])
+def test_other_packings_are_refused_with_a_hint(tmp_path, capsys, content, what):
+    path = tmp_path / "t.csv"
+    if content is None:
+        _packed(path, "cut gz", DATA / "azure_sample.csv")
+    else:
+        path.write_bytes(content)
+    rc, _, err = _run(capsys, "simulate", "--trace-in", str(path), "--ranks", "2")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and what in lines[0], lines
+
+
+def test_a_fifo_nobody_writes_to_is_an_empty_trace_not_a_hang(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for argv in (["--trace-in", str(fifo)], ["--forward", f"empirical:{fifo}"]):
+        rc, _, err = _run(capsys, "simulate", "--requests", "5", "--ranks", "2", *argv)
+        assert rc == 2 and ("holds no requests" in err or "holds no values" in err), err
+
+
+@pytest.mark.parametrize("row", ["9" * 5000 + ",5,2", "2024-01-01 00:00:00." + "9" * 5000 + ",5,2",
+                                 "1," + "9" * 5000 + ",2", "nan,5,2", "1,inf,2", "1,1e400,2"])
+def test_hostile_csv_rows_are_short_one_line_errors(tmp_path, capsys, row):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + row + "\n")
+    rc, _, err = _run(capsys, "simulate", "--trace-in", str(path), "--ranks", "2")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "line 2" in lines[0] and len(lines[0]) < 300, lines
