@@ -27,8 +27,11 @@ import z3
 
 from model.encoding.checks import (BmcResult, Goal, bmc, check_step, consistent, premises,
                                    prove_inductive, stutter_goal, violates)
+from model.encoding.invariants import PREDICATES
 from model.encoding.vocab import Sizes, Z3OPS
 from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
+from model.spec.timeouts import (GATE_TIMEOUT_S, RELEASE_TIMEOUT_S, STEP_FLOOR_S, deployed_variant,
+                                 steps_for)
 from model.spec.variants import ABLATIONS, VARIANTS, Admission, Deferral, Variant
 from proofs.export import ReplayMismatch, export_lasso, export_violation, export_witness
 
@@ -349,6 +352,65 @@ def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
     return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
 
 
+# (seconds, step floor) pairs the deployed conversion is checked on: whole, fractional
+# and sub-floor counts, a floor above the timeout, and the defaults' order of magnitude
+DEPLOYED_CASES = ((30.0, 0.001), (0.0005, 0.001), (0.0025, 0.001), (1.0, 0.3), (7.0, 7.0),
+                  (0.3, 0.1), (1e6, 1e-3))
+
+
+def _deployed(ob: Obligation, st: Settings) -> Outcome:
+    """The timeouts as deployed (model/spec/timeouts.py: seconds -> an agreed step count)
+    are what the liveness rows assume, T >= 1, and the least count of steps of at least
+    the floor that lasts the configured seconds (never early, one step late at most);
+    bad settings are refused."""
+    bad = []
+    for seconds, floor in DEPLOYED_CASES:
+        n = steps_for(seconds, floor)
+        if n < 1 or n * floor < seconds * (1 - 1e-9) or (n > 1 and (n - 1) * floor >= seconds):
+            bad.append(f"steps_for({seconds:g}, {floor:g}) = {n}")
+    for args in ((0.0,), (-1.0,), (float("nan"),), (float("inf"),), (1.0, 0.0), (1e300, 1e-300)):
+        try:
+            bad.append(f"steps_for{args} = {steps_for(*args)} (not refused)")
+        except ValueError:
+            pass
+        except (ArithmeticError, TypeError) as exc:      # refused, but not as a ValueError
+            bad.append(f"steps_for{args} raised {type(exc).__name__}")
+    v = deployed_variant(ob.variant)
+    if v.timeout_steps is not None and v.timeout_steps != steps_for(GATE_TIMEOUT_S, STEP_FLOOR_S):
+        bad.append(f"{ob.variant}'s deployed timeout is {v.timeout_steps} steps")
+    if v.release_timeout_steps is not None and \
+            v.release_timeout_steps != steps_for(RELEASE_TIMEOUT_S, STEP_FLOOR_S):
+        bad.append(f"{ob.variant}'s deployed release timeout is {v.release_timeout_steps} steps")
+    if bad:
+        return Outcome("wrong conversion", "; ".join(bad))
+    return Outcome("proved", f"{len(DEPLOYED_CASES)} conversions least and >= 1 step, bad settings "
+                             f"refused, timeout {v.timeout_steps} release {v.release_timeout_steps}")
+
+
+class _BoundLowered:
+    """A context whose variant's timeout is one less: bounded_wait read one step tighter."""
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        self.variant = replace(ctx.variant, timeout_steps=ctx.variant.timeout_steps - 1)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ctx, name)
+
+
+def _tight(ob: Obligation, st: Settings) -> Outcome:
+    """The liveness bound is tight: with timeout T = 2 some run keeps a request queued
+    for T steps, breaking the encoded bounded_wait at T - 1 (so an encoding that states
+    a looser bound than the proof's T fails here, not silently weakening the proof)."""
+    v = replace(ALL_VARIANTS[ob.variant], timeout_steps=2)
+    res = bmc(v, Sizes(1, 1, 1), lambda c, s: z3.Not(PREDICATES["bounded_wait"](_BoundLowered(c), s)),
+              MAX_DEPTH, st.timeout_ms)
+    if res.status != "sat":
+        return Outcome("none found" if res.status == "unsat" else res.status,
+                       f"no run keeps a request queued for T = 2 steps within {MAX_DEPTH} events")
+    return Outcome("counterexample", f"a request queued for T = 2 held steps after {res.depth} events: "
+                                     + ", ".join(m.action for m in res.steps))
+
+
 def needs_facts(ob: Obligation) -> bool:
     """The row reads proved_facts (assumes them or names them)."""
     return ob.check in (_counterexample, _lasso, _witness, _not_inductive, _consistent)
@@ -380,6 +442,10 @@ def obligations() -> list[Obligation]:
         if VARIANTS[name].gate.value != "none":
             out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
         out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
+    # what the liveness rows assume of the deployed timeouts, and that their bound is tight
+    for name in ("strict", "deferred"):
+        out.append(Obligation("deployed:timeouts", name, "proved", False, _deployed))
+    out.append(Obligation("tight:bounded_wait", "strict", "counterexample", False, _tight))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
     for ablation in ("strict-no-room-order", "strict-no-fence"):
