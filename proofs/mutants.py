@@ -338,7 +338,7 @@ MUTANTS: list[Mutant] = [
     Mutant("timeouts-round-down", "timeouts", "seconds become steps rounded down (the timeout fires early)",
            _timeout_floor, ("deployed:timeouts@strict",)),
     Mutant("encoding-liveness-bound-plus-one", "encoding", "the encoded bounded_wait allows T + 1 steps",
-           _bound_loose, ("tight:bounded_wait@strict",)),
+           _bound_loose, ("nonvacuous:bound-reached@strict",)),
     Mutant("invariant-no-corruption-trivial", "lemmas", "the encoded no_corruption is True",
            _invariant_trivial, ("induction:no_corruption@gate",)),
 ]

@@ -13,9 +13,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from impl.decode import DecodeTransferQueue, Req
-from impl.decode.collective import HEADER, Message, digest
-from impl.decode.gate import NUMPY, gate_array, numpy_ops_knowing
+from impl.decode import (DecodeRequest, DecodeTransferQueue, MetadataBuffers, PeerAbortedStep, Req,
+                         RoomOutOfRange, SlotOutOfRange)
+from impl.decode.collective import (HEADER, _PAYLOAD, Agreement, Message, agree_min, digest, header,
+                                    read_header)
+from impl.decode.gate import NUMPY, gate_array, gate_decode_reqs, numpy_ops_knowing, rooms_tensor
+from impl.decode.lockstep import LockstepGroup, run_ranks
 from impl.scripted import ScriptedReceiver
 from model.spec import KVPoll
 from model.spec.variants import get_variant
@@ -41,8 +44,8 @@ def test_the_digest_changes_when_two_rooms_swap_places(rooms, data):
 def test_the_digest_tells_a_rotation_and_a_repeated_room_apart():
     base = [5, 6, 7, 8]
     digests = {int(digest(_rooms(r))[0]) for r in (base, base[1:] + base[:1], [5, 5, 7, 8],
-                                                    [6, 5, 7, 8], base[:3], [])}
-    assert len(digests) == 6
+                                                    [6, 5, 7, 8], [5, 6, 7, 9], base[:3], [])}
+    assert len(digests) == 7
 
 
 def test_the_header_follows_a_new_digest_of_a_queue_of_the_same_length():
@@ -52,6 +55,43 @@ def test_the_header_follows_a_new_digest_of_a_queue_of_the_same_length():
     again = bytes(msg.fill(values, 3, digest(_rooms([1, 2, 3])), True)[:HEADER].numpy())
     other = bytes(msg.fill(values, 3, digest(_rooms([3, 2, 1])), True)[:HEADER].numpy())
     assert first == again and first != other
+
+
+def test_every_header_byte_counts_in_the_agreement():
+    mine = header(3, digest(_rooms([1, 2, 3])), True)
+    assert read_header(mine) == Agreement(ok=True, same=True)
+    payload = bytes(mine[1:1 + _PAYLOAD].tolist())
+    for i in range(_PAYLOAD):                     # another rank's length or digest: one byte off
+        other = bytearray(payload)
+        other[i] ^= 1
+        theirs = torch.tensor([1, *other, *(255 - b for b in other)], dtype=torch.uint8)
+        got = read_header(torch.minimum(mine, theirs))
+        assert got.ok and not got.same, i
+    assert not read_header(torch.minimum(mine, header(3, digest(_rooms([1, 2, 3])), False))).ok
+
+
+def test_a_peer_that_aborts_fails_the_header_first_step_on_every_rank():
+    g = LockstepGroup(2, timeout_s=5)
+    values = torch.tensor([4, 3], dtype=torch.uint8)
+    fp = digest(_rooms([1, 2]))
+    out = run_ranks([lambda k=k: agree_min(g.exchange(k), values, fingerprint=fp, ok=k == 0)
+                     for k in range(2)])
+    assert all(isinstance(o, PeerAbortedStep) for o in out), out
+    ok = run_ranks([lambda k=k: agree_min(g.exchange(k), values, fingerprint=fp) for k in range(2)])
+    assert [o.tolist() for o in ok] == [[4, 3], [4, 3]]
+
+
+def test_bools_are_refused_as_rooms_and_slots():
+    with pytest.raises(RoomOutOfRange):
+        rooms_tensor([5, True])
+    assert rooms_tensor([5, 2**64 - 1]).tolist() == [5, -1]
+    buffers = MetadataBuffers(2)
+    reqs = [DecodeRequest(Req("a", 5), ScriptedReceiver(), True)]
+    with pytest.raises(SlotOutOfRange):
+        gate_decode_reqs([int(KVPoll.Success)], reqs, buffers, "strict")
+    reqs = [DecodeRequest(Req("a", 5), ScriptedReceiver(), 1)]
+    assert gate_decode_reqs([int(KVPoll.Success)], reqs, buffers, "strict").tolist() == \
+        [int(KVPoll.Transferring)]
 
 
 class _Identity:

@@ -79,3 +79,28 @@ def test_the_patch_times_out_a_held_request_after_timeout_steps_and_never_a_slow
     assert out[:timeout] == [[]] * timeout
     assert out[timeout] == [[0, int(Decision.ABORT_FAILED), 0]]
     assert out[timeout + 1:] == [[], []]                 # request 1 never aged
+
+
+def step_release_body(rank: int, world: int) -> list:
+    """Per-rank mode: a failed request's slot is held, then freed by the next step once its
+    receiver says fenced, with nobody calling release_fenced in between (a live worker's
+    scheduler does not)."""
+    from model.spec.events import Fail
+    from impl.sglang.release import SGLangRank
+    from impl.sglang.runner import Job, _load
+    release = _load(Job("0.5.23", "patch-local", False, None), 3.0)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    h = SGLangRank(release, rank, world, group, 2)
+    h.apply(Enqueue(0, 77, 5))
+    h.apply(Fail(rank, 0))
+    free = [len(h.step().popped), h.allocator.available_size()]
+    h.receivers[0].fenced = True                 # the abort acknowledged, unseen until a step
+    free.append(h.allocator.available_size())
+    h.step()
+    free.append(h.allocator.available_size())
+    return free
+
+
+def test_a_step_frees_a_held_slot_once_fenced_without_a_release_call():
+    (out,) = [o.value for o in run_ranks(step_release_body, 1, deadline_s=120)]
+    assert out == [1, 1, 1, 2]
