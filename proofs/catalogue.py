@@ -219,11 +219,11 @@ MUTANTS: list[M] = [
     # -- model/spec: deployed timeouts, the packed MIN over ranks not all latched --------------
     M("timeouts-round-down", "model/spec", "model/spec/timeouts.py",
       "max(1, math.ceil(steps - 1e-9))", "max(1, int(steps))",
-      ("tests/proofs/test_proofs_deployed.py",),
+      ("tests/proofs/test_proofs_deployed.py::test_the_rows_hold_as_expected",),
       "seconds become steps rounded down: the timeout fires before its seconds"),
     M("timeouts-zero-accepted", "model/spec", "model/spec/timeouts.py",
       "or not value > 0", "or value < 0",
-      ("tests/proofs/test_proofs_deployed.py",),
+      ("tests/proofs/test_proofs_deployed.py::test_the_rows_hold_as_expected",),
       "a timeout or step floor of 0 s is accepted"),
     M("packed-failed-as-waiting", "model/spec", "model/spec/packed.py",
       "low_failed = flat[_FAILED * 4 + group] if failed", "low_failed = flat[WAITING * 4 + group] if failed",
@@ -236,7 +236,7 @@ MUTANTS: list[M] = [
     # -- model/encoding and the proof runner -------------------------------------------------
     M("encoding-liveness-bound-plus-one", "model/encoding", "model/encoding/invariants.py",
       "s.age(k, r) <= bound)", "s.age(k, r) <= bound + 1)",
-      ("tests/proofs/test_proofs_deployed.py",),
+      ("tests/proofs/test_proofs_deployed.py::test_the_rows_hold_as_expected",),
       "the encoded liveness bound allows T + 1 steps"),
     M("runner-unknown-is-cti", "model/encoding", "proofs/obligations.py",
       'found = [r for _, r in log.queries if r.status == "sat"]',

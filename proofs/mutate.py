@@ -93,8 +93,7 @@ def pytest_run(tree: Path, tests: Sequence[str], timeout_s: float = TEST_TIMEOUT
     in ``tree``, importing ``tree``'s modules."""
     env = {**os.environ, "PDGATE_PURE": "1", "PYTHONDONTWRITEBYTECODE": "1",
            "PYTHONPATH": str(tree), "MC_LOG_LEVEL": "ERROR"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "-o", "addopts=", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     try:
         done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
