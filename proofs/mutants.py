@@ -262,6 +262,26 @@ def _lemma_too_strong() -> None:
     invariants.LEMMAS["recv_range"] = invariants.PREDICATES["recv_range"] = recv_range
 
 
+def _timeout_floor() -> None:
+    import math
+    from model.spec import timeouts
+
+    def steps_for(seconds, step_floor_s=timeouts.STEP_FLOOR_S):
+        return max(1, math.floor(seconds / step_floor_s))   # rounds down: fires early
+    _replace_everywhere(timeouts.steps_for, steps_for)
+
+
+def _bound_loose() -> None:
+    import z3
+    from model.encoding import invariants
+
+    def bounded_wait(c, s):
+        bound = c.variant.timeout_steps if c.variant.timeout_steps is not None else c.wait_bound
+        return c.forall(("Rank", "Req"), lambda k, r: z3.Implies(s.inq(k, r), s.age(k, r) <= bound + 1))
+    invariants.PREDICATES["bounded_wait"] = bounded_wait
+    _replace_everywhere(invariants.bounded_wait, bounded_wait)
+
+
 def _invariant_trivial() -> None:
     from model.encoding import invariants
     trivial = lambda c, s: z3.BoolVal(True)
@@ -315,6 +335,10 @@ MUTANTS: list[Mutant] = [
            _bundle_drops_lemma, ("safety:no_corruption@strict",)),
     Mutant("lemmas-recv-too-strong", "lemmas", "recv_range claims a queued receiver is always waiting",
            _lemma_too_strong, ("safety:outcomes_agree@strict",)),
+    Mutant("timeouts-round-down", "timeouts", "seconds become steps rounded down (the timeout fires early)",
+           _timeout_floor, ("deployed:timeouts@strict",)),
+    Mutant("encoding-liveness-bound-plus-one", "encoding", "the encoded bounded_wait allows T + 1 steps",
+           _bound_loose, ("nonvacuous:bound-reached@strict",)),
     Mutant("invariant-no-corruption-trivial", "lemmas", "the encoded no_corruption is True",
            _invariant_trivial, ("induction:no_corruption@gate",)),
 ]

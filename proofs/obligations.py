@@ -27,8 +27,11 @@ import z3
 
 from model.encoding.checks import (BmcResult, Goal, bmc, check_step, consistent, premises,
                                    prove_inductive, stutter_goal, violates)
+from model.encoding.invariants import PREDICATES
 from model.encoding.vocab import Sizes, Z3OPS
 from model.spec.kernel import SUCCESS, TRANSFERRING, gated_poll
+from model.spec.timeouts import (GATE_TIMEOUT_S, RELEASE_TIMEOUT_S, STEP_FLOOR_S, deployed_variant,
+                                 steps_for)
 from model.spec.variants import ABLATIONS, VARIANTS, Admission, Deferral, Variant
 from proofs.export import ReplayMismatch, export_lasso, export_violation, export_witness
 
@@ -179,12 +182,15 @@ def fact_key(ob: Obligation, timeout_ms: int) -> FactKey | None:
     return (ob.variant, names, timeout_ms) if names in fact_bundles(ob.variant) else None
 
 
-def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1) -> BmcResult | None:
+def minimal_bmc(variant: Variant, goal: Goal, timeout_ms: int, first_ranks: int = 1,
+                facts: bool = True, largest: Sizes = Sizes(MAX_RANKS, MAX_REQS, MAX_REQS)
+                ) -> BmcResult | None:
     """Fewest ranks, then requests, then slots, then transitions (within the bounds).
-    ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them."""
-    assume = proved_facts(variant.name, timeout_ms)
-    for ranks in range(first_ranks, MAX_RANKS + 1):
-        for reqs in range(1, MAX_REQS + 1):
+    ``first_ranks=2`` for invariants that compare ranks: one rank cannot break them.
+    ``facts``: assume the variant's proved facts (they prune the search)."""
+    assume = proved_facts(variant.name, timeout_ms) if facts else ()
+    for ranks in range(first_ranks, largest.ranks + 1):
+        for reqs in range(1, largest.reqs + 1):
             for slots in range(1, reqs + 1):
                 res = bmc(variant, Sizes(ranks, reqs, slots), goal, MAX_DEPTH, timeout_ms, assume)
                 if res.status != "unsat":
@@ -198,10 +204,11 @@ def _trace_path(ob: Obligation, st: Settings) -> Path:
 
 
 def _found(ob: Obligation, st: Settings, goal: Goal, export: Callable[..., str | None],
-           what: str, first_ranks: int = 1) -> Outcome:
+           what: str, first_ranks: int = 1, facts: bool = True,
+           largest: Sizes = Sizes(MAX_RANKS, MAX_REQS, MAX_REQS)) -> Outcome:
     v = ALL_VARIANTS[ob.variant]
-    res = minimal_bmc(v, goal, st.timeout_ms, first_ranks)
-    bound = f"T<={MAX_RANKS}, N<={MAX_REQS}, {MAX_DEPTH} events"
+    res = minimal_bmc(v, goal, st.timeout_ms, first_ranks, facts, largest)
+    bound = f"T<={largest.ranks}, N<={largest.reqs}, {MAX_DEPTH} events"
     if res is None:
         return Outcome("none found", f"no {what} within {bound}")
     if res.status != "sat":
@@ -265,9 +272,37 @@ def _gate_holds_goal(c, s) -> z3.BoolRef:
                   for k in c.elems["Rank"] for r in c.elems["Req"]])
 
 
+class _BoundLowered:
+    """A context whose variant's timeout is one less: bounded_wait read one step tighter."""
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+        self.variant = replace(ctx.variant, timeout_steps=ctx.variant.timeout_steps - 1)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ctx, name)
+
+
+def _bound_reached_goal(c, s) -> z3.BoolRef:
+    """The encoded bounded_wait broken at T - 1: some request queued for T held steps."""
+    return z3.Not(PREDICATES["bounded_wait"](_BoundLowered(c), s))
+
+
+WITNESS_GOALS = {"commit": _commit_goal, "gate-holds": _gate_holds_goal}
+
+
 def _witness(ob: Obligation, st: Settings) -> Outcome:
-    goal = _commit_goal if ob.arg == "commit" else _gate_holds_goal
-    return _found(ob, st, goal, lambda *a: export_witness(*a) or "", f"reachable {ob.arg}")
+    """A reachable commit or held gate, replayed on the spec."""
+    return _found(ob, st, WITNESS_GOALS[ob.arg], lambda *a: export_witness(*a) or "",
+                  f"reachable {ob.arg}")
+
+
+def _bound_reached(ob: Obligation, st: Settings) -> Outcome:
+    """A request queued for exactly the liveness bound T, replayed on the spec: the bound
+    the liveness row proves is tight (an encoding stating a looser bound than the proof's
+    T finds no such run). One rank and request suffice (T + 2 events), so the search
+    stays there and needs no proved facts: a second either way."""
+    return _found(ob, st, _bound_reached_goal, lambda *a: export_witness(*a) or "",
+                  "run keeping a request queued for T held steps", facts=False, largest=Sizes(1, 1, 1))
 
 
 def _premises(ob: Obligation, st: Settings) -> Outcome:
@@ -349,6 +384,41 @@ def _crosscheck(ob: Obligation, st: Settings) -> Outcome:
     return crosscheck(ob.variant, PROVED.get(ob.variant, ()))
 
 
+# (seconds, step floor) pairs the deployed conversion is checked on: whole, fractional
+# and sub-floor counts, a floor above the timeout, and the defaults' order of magnitude
+DEPLOYED_CASES = ((30.0, 0.001), (0.0005, 0.001), (0.0025, 0.001), (1.0, 0.3), (7.0, 7.0),
+                  (0.3, 0.1), (1e6, 1e-3))
+
+
+def _deployed(ob: Obligation, st: Settings) -> Outcome:
+    """The timeouts as deployed (model/spec/timeouts.py: seconds -> an agreed step count)
+    are what the liveness rows assume, T >= 1, and the least count of steps of at least
+    the floor that lasts the configured seconds (never early, one step late at most);
+    bad settings are refused."""
+    bad = []
+    for seconds, floor in DEPLOYED_CASES:
+        n = steps_for(seconds, floor)
+        if n < 1 or n * floor < seconds * (1 - 1e-9) or (n > 1 and (n - 1) * floor >= seconds):
+            bad.append(f"steps_for({seconds:g}, {floor:g}) = {n}")
+    for args in ((0.0,), (-1.0,), (float("nan"),), (float("inf"),), (1.0, 0.0), (1e300, 1e-300)):
+        try:
+            bad.append(f"steps_for{args} = {steps_for(*args)} (not refused)")
+        except ValueError:
+            pass
+        except (ArithmeticError, TypeError) as exc:      # refused, but not as a ValueError
+            bad.append(f"steps_for{args} raised {type(exc).__name__}")
+    v = deployed_variant(ob.variant)
+    if v.timeout_steps is not None and v.timeout_steps != steps_for(GATE_TIMEOUT_S, STEP_FLOOR_S):
+        bad.append(f"{ob.variant}'s deployed timeout is {v.timeout_steps} steps")
+    if v.release_timeout_steps is not None and \
+            v.release_timeout_steps != steps_for(RELEASE_TIMEOUT_S, STEP_FLOOR_S):
+        bad.append(f"{ob.variant}'s deployed release timeout is {v.release_timeout_steps} steps")
+    if bad:
+        return Outcome("wrong conversion", "; ".join(bad))
+    return Outcome("proved", f"{len(DEPLOYED_CASES)} conversions least and >= 1 step, bad settings "
+                             f"refused, timeout {v.timeout_steps} release {v.release_timeout_steps}")
+
+
 def needs_facts(ob: Obligation) -> bool:
     """The row reads proved_facts (assumes them or names them)."""
     return ob.check in (_counterexample, _lasso, _witness, _not_inductive, _consistent)
@@ -380,6 +450,10 @@ def obligations() -> list[Obligation]:
         if VARIANTS[name].gate.value != "none":
             out.append(Obligation("nonvacuous:gate-holds", name, "proved", False, _witness, "gate-holds"))
         out.append(Obligation("bmc-crosscheck", name, "proved", False, _crosscheck))
+    # what the liveness rows assume of the deployed timeouts, and that their bound is tight
+    for name in ("strict", "deferred"):
+        out.append(Obligation("deployed:timeouts", name, "proved", False, _deployed))
+    out.append(Obligation("nonvacuous:bound-reached", "strict", "proved", False, _bound_reached))
     out.append(Obligation("liveness:bounded_wait room=0", "gate", "counterexample", False, _lasso, "room0"))
     # strict minus one mechanism: each one is needed.
     for ablation in ("strict-no-room-order", "strict-no-fence"):

@@ -9,7 +9,7 @@ from proofs.mutants import MUTANTS, run_all
 
 def test_the_mutants_span_every_area():
     areas = {m.area for m in MUTANTS}
-    assert {"kernel", "variant", "machine", "min", "encoding", "lemmas"} <= areas
+    assert {"kernel", "variant", "machine", "min", "encoding", "lemmas", "timeouts"} <= areas
     assert len(MUTANTS) >= 15 and len({m.name for m in MUTANTS}) == len(MUTANTS)
 
 
@@ -33,7 +33,7 @@ def test_the_cli_kills_every_mutant_and_writes_json(tmp_path):
         assert r["killed"] is True and len(r["caught_by"]) == 1, r
         assert r["caught_by"][0].split("@")[0].split(":")[0] in (
             "safety", "lemma", "liveness", "cex", "induction", "consistent", "refines", "nonvacuous",
-            "bmc-crosscheck"), r
+            "bmc-crosscheck", "deployed"), r
 
 
 def test_mutants_refuse_obligation_filters(capsys):
