@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("impl.replay", "replay a trace on T real gloo processes running impl.decode"),
     "conform": ("impl.sglang.conform", "run SGLang releases' own decode code on traces and check it against the spec"),
     "e2e": ("impl.e2e", "end to end over real Mooncake: one prefill, T decode ranks"),
+    "live": ("impl.sglang.live", "a live SGLang 0.5.23 prefill + TP=2 decode + router on CPU, checked against a plain server"),
     "bench": ("bench.cli", "run the benchmarks in bench/ and print their figures"),
 }
 
@@ -89,7 +90,7 @@ def _can_create_in(folder: Path) -> bool:
 # Output paths by subcommand (argparse dest), checked before any work: files, folders.
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
-    "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",)}
+    "replay": ("out",), "e2e": ("json", "trace"), "live": ("json", "trace"), "bench": ("json",)}
 OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
 INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
 

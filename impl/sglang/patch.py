@@ -254,11 +254,12 @@ def install_into(release: Any, timeout_steps: int | None = None,
 
 def install(release: str, *, timeout_steps: int | None = None,
             collective_timeout_s: float = 30.0, agreed_release: bool = True,
-            transfer_backend: str = "mooncake") -> None:
+            transfer_backend: str = "mooncake", observer: Any = None) -> None:
     """Apply the strict patch in a live SGLang decode worker, at start-up, before the
     scheduler builds its queues: ``impl.sglang.patch.install("0.5.23")``. Refuses a
     release other than the one installed (the patch is checked per release by ``pdgate
-    conform --patch strict``)."""
+    conform --patch strict``). ``observer.note(gated)`` sees what each step hands to the
+    MIN (``pdgate live``'s rank logs)."""
     import importlib
     import types
     sglang = importlib.import_module("sglang")
@@ -270,5 +271,5 @@ def install(release: str, *, timeout_steps: int | None = None,
     # the backend decides whether a request without bootstrap host is a fake transfer
     backend = types.SimpleNamespace(disaggregation_transfer_backend=transfer_backend)
     install_into(types.SimpleNamespace(decode=decode, utils=utils, server_args=backend,
-                                       collective_timeout_s=collective_timeout_s, observer=None),
+                                       collective_timeout_s=collective_timeout_s, observer=observer),
                  timeout_steps, agreed_release)

@@ -1,0 +1,227 @@
+"""Inside a live SGLang 0.5.23 decode worker (``pdgate live``): the strict patch, one
+fault, and a per-rank log of every protocol step.
+
+Set by the parent through the environment (read once, at import):
+- ``PDGATE_LIVE_PATCH=strict``: ``impl.sglang.patch.install("0.5.23")``, with strict's
+  timeout of ``PDGATE_LIVE_TIMEOUT_STEPS`` steps.
+- ``PDGATE_LIVE_LATE_ROOM=RANK:MS``: on that decode rank, each request's metadata room
+  is hidden (its slot's ``bootstrap_room`` zeroed) when the receiver first polls
+  Success and written back MS ms later (``never``: not written back): a late metadata
+  write on one rank, as in SGLang #35049, made to happen on every request.
+- ``PDGATE_LIVE_LOG_DIR``: each rank appends ``rank{tp_rank}.jsonl`` in the e2e log
+  shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``) as
+  the rank observes them at its polls, ``enq`` when a request enters its transfer
+  queue (payload unknown then: the parent fills it from the commits), ``step`` with the
+  queue, the receiver polls, what went into the MIN, the MIN and the pops.
+
+SGLang's classes are wrapped when ``sglang.srt.disaggregation.decode`` is first
+imported (sitecustomize's post-import hook), so the scheduler processes get them before
+they build their queues.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+SUCCESS, FAILED = 4, 0
+
+
+def _late_room() -> tuple[int, float | None] | None:
+    text = os.environ.get("PDGATE_LIVE_LATE_ROOM")
+    if not text:
+        return None
+    rank, _, ms = text.partition(":")
+    return int(rank), None if ms == "never" else float(ms)
+
+
+class _RankLog:
+    """One rank's records, one JSON line each, flushed at once (the rank may be killed)."""
+
+    def __init__(self, folder: str, rank: int):
+        self.fp = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", encoding="utf-8")
+        self.ids: dict[str, int] = {}             # SGLang rid -> trace request id
+
+    def write(self, rec: dict) -> None:
+        rec["t"] = time.time()
+        self.fp.write(json.dumps(rec) + "\n")
+        self.fp.flush()
+
+    def env(self, kind: str, req: int, rank: int, **extra: Any) -> None:
+        self.write({"k": "env", "ev": {"kind": kind, "rank": rank, "req": req, **extra}})
+
+
+class _Rank:
+    """Per transfer queue (one per decode rank): what the rank saw, for its log."""
+
+    def __init__(self, queue: Any):
+        self.rank = int(queue.tp_rank)
+        folder = os.environ.get("PDGATE_LIVE_LOG_DIR")
+        self.log = _RankLog(folder, self.rank) if folder else None
+        self.latched: dict[int, int] = {}         # req -> Success/Failed seen
+        self.landed: set[int] = set()
+        self.hidden: dict[int, int] = {}          # req -> the room taken out of its slot
+        self.step = 0
+        self.cur: dict | None = None
+        fault = _late_room()
+        self.late_ms = fault[1] if fault and fault[0] == self.rank else -1.0
+
+    def rid(self, decode_req: Any) -> int:
+        return self.log.ids[decode_req.req.rid] if self.log else 0
+
+    def enqueue(self, decode_req: Any) -> None:
+        if self.log is None:
+            return
+        req = self.log.ids.setdefault(decode_req.req.rid, len(self.log.ids))
+        self.log.write({"k": "enq", "req": req, "room": int(decode_req.req.bootstrap_room or 0),
+                        "payload": None})
+
+    def _hide(self, decode_req: Any, buffers: Any, req: int) -> None:
+        """The late-room fault: take the room out now, put it back after late_ms."""
+        col, idx = buffers.bootstrap_room, decode_req.metadata_buffer_index
+        room = int(decode_req.req.bootstrap_room or 0)
+        col[idx, 0] = 0
+        self.hidden[req] = room
+        if self.late_ms is None:
+            return
+
+        def land() -> None:
+            if self.hidden.pop(req, None) is not None:   # still queued: its slot is its own
+                col[idx, 0] = room
+        timer = threading.Timer(self.late_ms / 1000.0, land)
+        timer.daemon = True
+        timer.start()
+
+    def observe(self, decode_req: Any, buffers: Any, value: int) -> int:
+        """One receiver poll: log what changed for this request (latched outcome, the
+        room seen in its slot), inject the fault, return the value for the gate."""
+        req = self.rid(decode_req)
+        if value in (SUCCESS, FAILED) and req not in self.latched:
+            self.latched[req] = value
+            if self.log:
+                self.log.env("kv_done" if value == SUCCESS else "fail", req, self.rank)
+            if value == SUCCESS and self.late_ms != -1.0:
+                self._hide(decode_req, buffers, req)
+        if buffers is not None and req not in self.landed and self.log:
+            seen = int(buffers.bootstrap_room[decode_req.metadata_buffer_index, 0].item())
+            if seen != 0 and seen == int(decode_req.req.bootstrap_room or 0):
+                self.landed.add(req)       # one write: the payload first, then the room (A1)
+                self.log.env("land", req, self.rank, field="payload")
+                self.log.env("land", req, self.rank, field="room")
+        if self.cur is not None:
+            self.cur["local"].append(value)
+        return value
+
+
+class _Poller:
+    """A receiver as the poll function sees it: each poll observed by the rank."""
+
+    def __init__(self, rank: _Rank, decode_req: Any, buffers: Any):
+        self.rank, self.decode_req, self.buffers = rank, decode_req, buffers
+        self.real = decode_req.kv_receiver
+
+    def poll(self) -> int:
+        return self.rank.observe(self.decode_req, self.buffers, int(self.real.poll()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _decision(decode_req: Any, reduced: int) -> tuple[str, int]:
+    if reduced == FAILED:
+        return "abort_failed", 0
+    reason = decode_req.req.finished_reason
+    message = str(getattr(reason, "message", "") or "")
+    if type(reason).__name__ == "FINISH_ABORT":
+        return ("abort_room_zero" if "not ready" in message else "abort_room_mismatch"), 0
+    return "commit", int(decode_req.req.output_ids[-1])
+
+
+def wrap(decode: Any) -> None:
+    """Wrap a freshly imported ``sglang.srt.disaggregation.decode`` (sitecustomize)."""
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    if os.environ.get("PDGATE_LIVE_PATCH") == "strict":
+        from impl.sglang.patch import install
+        steps = os.environ.get("PDGATE_LIVE_TIMEOUT_STEPS")
+        install("0.5.23", timeout_steps=int(steps) if steps else None, observer=_Observer())
+    cls = decode.DecodeTransferQueue
+    own_add, own_pop = cls.add, cls.pop_transferred
+    own_poll = decode.poll_and_all_reduce
+    own_gate = getattr(utils, "_apply_metadata_gate", None)
+
+    def rank_of(queue: Any) -> _Rank:
+        if not hasattr(queue, "_pdgate_live"):
+            queue._pdgate_live = _Rank(queue)
+        return queue._pdgate_live
+
+    def add(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        out = own_add(self, decode_req, *args, **kwargs)
+        rank_of(self).enqueue(decode_req)
+        return out
+
+    def poll_and_all_reduce(pollers: Any, gloo_group: Any, decode_reqs: Any = None,
+                            metadata_buffers: Any = None, *args: Any, **kwargs: Any) -> list:
+        queue = _CURRENT.get("queue")
+        if queue is None or decode_reqs is None:
+            return own_poll(pollers, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
+        rank = rank_of(queue)
+        ours = [_Poller(rank, d, metadata_buffers) for d in decode_reqs]
+        reduced = own_poll(ours, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
+        if rank.cur is not None:
+            rank.cur["reduced"] = [int(x) for x in reduced]
+        return reduced
+
+    def gate(polls: list, decode_reqs: Any, metadata_buffers: Any) -> None:
+        own_gate(polls, decode_reqs, metadata_buffers)
+        _note_gated(list(polls))
+
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rank = rank_of(self)
+        if not self.queue or rank.log is None:
+            return own_pop(self, *args, **kwargs)
+        before = list(self.queue)
+        rank.cur = {"queue": [rank.rid(d) for d in before], "local": [], "gated": None,
+                    "reduced": None}
+        _CURRENT["queue"], _CURRENT["rank"] = self, rank
+        try:
+            out = own_pop(self, *args, **kwargs)
+        finally:
+            _CURRENT.clear()
+        cur, rank.cur = rank.cur, None
+        left = {id(d) for d in before} - {id(d) for d in self.queue}
+        reduced = cur["reduced"] or []
+        popped = [[rank.rid(d), *_decision(d, reduced[i])]
+                  for i, d in enumerate(before) if id(d) in left]
+        for req, _, _ in popped:
+            rank.hidden.pop(req, None)
+        rank.log.write({"k": "step", "rec": {
+            "step": rank.step, "queue": cur["queue"], "local": cur["local"],
+            "gated": cur["gated"] if cur["gated"] is not None else cur["local"],
+            "reduced": reduced, "popped": popped, "hang": None, "error": None}})
+        rank.step += 1
+        return out
+
+    cls.add, cls.pop_transferred = add, pop_transferred
+    decode.poll_and_all_reduce = poll_and_all_reduce
+    if own_gate is not None and os.environ.get("PDGATE_LIVE_PATCH") != "strict":
+        utils._apply_metadata_gate = gate
+
+
+_CURRENT: dict[str, Any] = {}
+
+
+def _note_gated(gated: list) -> None:
+    rank = _CURRENT.get("rank")
+    if rank is not None and rank.cur is not None:
+        rank.cur["gated"] = [int(x) for x in gated]
+
+
+class _Observer:
+    """What the strict patch's poll hands to the MIN, for the rank's log."""
+
+    @staticmethod
+    def note(gated: list) -> None:
+        _note_gated(gated)

@@ -1,0 +1,64 @@
+"""The live decode ranks' logs (impl/sglang/live_site/live_hooks.py) as one spec trace.
+
+Two things differ from an e2e rank log, and are settled here, checked, before the e2e
+merge (impl.mooncake.report.write_trace) writes the trace:
+- a request's first token is not known when it enters the queue: its ``enq`` payload
+  is the token its commit read (0 for a request no rank committed: nothing reads it);
+- SGLang's receiver reports Bootstrapping, WaitingForInput or Transferring before its
+  outcome, where the spec's receiver has one state (WaitingForInput) until it latches
+  Success or Failed: those polls are written as WaitingForInput, and the MIN recomputed
+  over the ranks' normalized values, after checking it falls in the same class (Failed,
+  in between, Success) as the MIN SGLang's ranks computed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO, Any
+
+from impl.mooncake.report import ReportError, load_log, write_trace
+
+WAITING, SUCCESS, FAILED = 2, 4, 0
+SLOTS = 4096            # spec slots per rank: more than the requests a run queues at once
+
+
+def rank_logs(folder: Path, ranks: int) -> list[list[dict[str, Any]]]:
+    return [load_log(str(folder / f"rank{r}.jsonl"), partial=True) for r in range(ranks)]
+
+
+def _class(v: int) -> int:
+    return 0 if v == FAILED else 2 if v == SUCCESS else 1
+
+
+def _normalize(steps: list[dict[str, Any]], k: int) -> None:
+    """Rewrite one protocol step (every rank's record) in the spec's poll values."""
+    for st in steps:
+        st["gated"] = [WAITING if g not in (SUCCESS, FAILED) and raw != SUCCESS else g
+                       for raw, g in zip(st["local"], st["gated"])]
+        st["local"] = [v if v in (SUCCESS, FAILED) else WAITING for v in st["local"]]
+    reduced = [min(col) for col in zip(*(st["gated"] for st in steps))]
+    for st in steps:
+        if len(st["reduced"]) != len(reduced) or any(
+                _class(a) != _class(b) for a, b in zip(st["reduced"], reduced)):
+            raise ReportError(f"step {k}: SGLang's MIN {st['reduced']} does not match the "
+                              f"ranks' gated polls (MIN {reduced})")
+        st["reduced"] = reduced
+
+
+def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
+                    timeout_steps: int | None) -> int:
+    """Write the spec trace of ``logs`` to ``fp``; returns the number of steps."""
+    payload = {}
+    for log in logs:
+        for rec in log:
+            if rec["k"] == "step":
+                for req, decision, value in rec["rec"]["popped"]:
+                    if decision == "commit":
+                        payload.setdefault(req, value)
+    for log in logs:
+        for rec in log:
+            if rec["k"] == "enq":
+                rec["payload"] = payload.get(rec["req"], 0)
+    by_step = [[rec["rec"] for rec in log if rec["k"] == "step"] for log in logs]
+    for k, steps in enumerate(zip(*by_step)):
+        _normalize(list(steps), k)
+    return write_trace(logs, fp, variant, SLOTS, timeout_steps, partial=True)
