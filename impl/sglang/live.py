@@ -3,8 +3,8 @@ on this CPU machine, checked against a non-disaggregated server (docs/SGLANG.md,
 
 Runs in its own venv (scripts/install_live.sh, ``$PDGATE_LIVE_VENV``, default
 ~/.cache/pdgate/live-venv) on a tiny random Llama made locally (impl/sglang/live_model.py),
-each deployment inside a network namespace with only ``lo`` (``unshare -rn``,
-impl/sglang/live_driver.py): first the baseline server, then the PD deployment, the
+each deployment inside namespaces of its own (``unshare``: a network with only ``lo``,
+and a PID namespace, so no server outlives it; impl/sglang/live_driver.py): first the baseline server, then the PD deployment, the
 same prompts with greedy sampling. The decode ranks log every protocol step
 (impl/sglang/live_site/live_hooks.py); their logs become one spec trace that
 ``pdgate validate`` replays. ``--late-room RANK:MS`` hides each request's metadata room
@@ -80,8 +80,10 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
             "prompts": prompts(cfg.requests), "max_new_tokens": cfg.max_new_tokens,
             "start_timeout_s": cfg.start_timeout_s, "request_timeout_s": cfg.request_timeout_s}
     (work / "config.json").write_text(json.dumps(conf))
-    cmd = ["unshare", "-rn", str(_python()), "-m", "impl.sglang.live_driver",
-           str(work / "config.json")]
+    # user, network, PID and mount namespaces: only lo; the driver is the namespace's
+    # init, so when it exits or is killed the kernel kills every server left in it
+    cmd = ["unshare", "-rnpm", "--fork", "--kill-child", "--mount-proc", str(_python()),
+           "-m", "impl.sglang.live_driver", str(work / "config.json")]
     deadline = cfg.start_timeout_s + cfg.request_timeout_s + 120
     with open(work / "driver.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(extra_env), stdout=log,
@@ -92,7 +94,7 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
             pass
         finally:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)     # the driver and every server
+                os.killpg(proc.pid, signal.SIGKILL)     # unshare; its namespace follows
             except ProcessLookupError:
                 pass
             proc.wait(timeout=30)

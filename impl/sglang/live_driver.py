@@ -1,13 +1,14 @@
-"""The inside of ``pdgate live``: run by the live venv's Python in a network namespace
-of its own (``unshare -rn``, only ``lo``, brought up here), so Mooncake's listeners on
-0.0.0.0 reach nothing outside.
+"""The inside of ``pdgate live``: run by the live venv's Python in namespaces of its own
+(``unshare -rnpm``): a network with only ``lo`` (brought up here), so Mooncake's
+listeners on 0.0.0.0 reach nothing outside, and a PID namespace whose init this is, so
+no server outlives it.
 
 ``python -m impl.sglang.live_driver CONFIG.json`` starts one deployment (``baseline``:
 one non-disaggregated server; ``pd``: a prefill, a TP=2 decode worker and
 sglang_router), waits for it with a deadline, sends the prompts (greedy), writes
 ``RESULT.json`` ({"outputs": [text or null], "errors": [...], "timings": {...}}) and
 stops every server it started (their process groups). The parent (impl/sglang/live.py)
-also kills this process's group on its own deadline.
+kills the namespace on its own deadline.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from impl.mooncake.report import ReportError, load_log, write_trace
+from model.spec.kernel import Decision
 
 WAITING, SUCCESS, FAILED = 2, 4, 0
 SLOTS = 4096            # spec slots per rank: more than the requests a run queues at once
@@ -52,7 +53,7 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
         for rec in log:
             if rec["k"] == "step":
                 for req, decision, value in rec["rec"]["popped"]:
-                    if decision == "commit":
+                    if decision == Decision.COMMIT:
                         payload.setdefault(req, value)
     for log in logs:
         for rec in log:

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 SUCCESS, FAILED = 4, 0
+COMMIT, ABORT_FAILED, ABORT_ROOM_ZERO, ABORT_ROOM_MISMATCH = 1, 2, 3, 4   # spec Decision
 
 
 def _late_room() -> tuple[int, float | None] | None:
@@ -130,14 +131,16 @@ class _Poller:
         return getattr(self.real, name)
 
 
-def _decision(decode_req: Any, reduced: int) -> tuple[str, int]:
+def _decision(decode_req: Any, reduced: int) -> tuple[int, int]:
+    """(model.spec.kernel.Decision, first token or 0) of a request that left the queue,
+    read back from SGLang's own abort messages."""
     if reduced == FAILED:
-        return "abort_failed", 0
+        return ABORT_FAILED, 0
     reason = decode_req.req.finished_reason
     message = str(getattr(reason, "message", "") or "")
     if type(reason).__name__ == "FINISH_ABORT":
-        return ("abort_room_zero" if "not ready" in message else "abort_room_mismatch"), 0
-    return "commit", int(decode_req.req.output_ids[-1])
+        return (ABORT_ROOM_ZERO if "not ready" in message else ABORT_ROOM_MISMATCH), 0
+    return COMMIT, int(decode_req.req.output_ids[-1])
 
 
 def wrap(decode: Any) -> None:
