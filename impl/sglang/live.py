@@ -107,17 +107,26 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
     return out
 
 
-def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int | None) -> dict:
-    """The decode ranks' logs as one spec trace, validated (impl/sglang/live_trace.py)."""
-    from impl.sglang.live_trace import rank_logs, trace_from_logs
+def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int | None,
+                bound: int) -> dict:
+    """The decode ranks' logs as one spec trace (impl/sglang/live_trace.py), with a
+    ``bounded_wait`` claim where some request was polled more than ``bound`` times
+    without leaving, validated."""
+    from impl.mooncake.report import ReportError
+    from impl.sglang.live_trace import claim_bounded_wait, rank_logs, trace_from_logs
     from model.spec.validate import validate
-    logs = rank_logs(work, ranks=2)
-    with open(trace_path, "w", encoding="utf-8") as fp:
-        steps = trace_from_logs(logs, fp, variant, timeout_steps)
+    try:
+        logs = rank_logs(work, ranks=2)
+        with open(trace_path, "w", encoding="utf-8") as fp:
+            steps = trace_from_logs(logs, fp, variant, timeout_steps)
+    except (ReportError, KeyError, ValueError) as exc:
+        return {"trace": None, "steps": None, "trace_valid": False,
+                "trace_message": f"trace not written: {exc}", "bounded_wait": None}
+    claim = claim_bounded_wait(trace_path, bound)
     with open(trace_path, encoding="utf-8") as fp:
         check = validate(fp)
     return {"trace": str(trace_path), "steps": steps, "trace_valid": check.ok,
-            "trace_message": check.message}
+            "trace_message": check.message, "bounded_wait": claim}
 
 
 def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +154,7 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
            "baseline_timings": base["timings"], "pd_timings": pd["timings"],
            "work_dir": str(work)}
     out.update(write_trace(work / "pd", Path(cfg.trace or work / "trace.ndjson"), variant,
-                           cfg.timeout_steps if cfg.patch else None))
+                           cfg.timeout_steps if cfg.patch else None, cfg.timeout_steps))
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 
@@ -159,7 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'never'")
     p.add_argument("--patch", choices=["strict"], help="install impl.sglang.patch in decode")
     p.add_argument("--timeout-steps", type=lambda s: int(number(1, 2**31)(s)), default=20000,
-                   help="strict's gate timeout in protocol steps (with --patch strict)")
+                   help="strict's gate timeout in protocol steps (with --patch strict), and "
+                        "the bound of the bounded_wait claim the trace gets when a request "
+                        "waited longer")
     p.add_argument("--start-timeout-s", type=number(10, 3600), default=600.0)
     p.add_argument("--request-timeout-s", type=number(1, 3600), default=120.0)
     p.add_argument("--work-dir")

@@ -1,7 +1,9 @@
 """The live decode ranks' logs (impl/sglang/live_site/live_hooks.py) as one spec trace.
 
-Two things differ from an e2e rank log, and are settled here, checked, before the e2e
+Three things differ from an e2e rank log, and are settled here, checked, before the e2e
 merge (impl.mooncake.report.write_trace) writes the trace:
+- a rank observes the environment at its polls, after the requests it enqueued before
+  the step: a segment's enqueues are written before its events;
 - a request's first token is not known when it enters the queue: its ``enq`` payload
   is the token its commit read (0 for a request no rank committed: nothing reads it);
 - SGLang's receiver reports Bootstrapping, WaitingForInput or Transferring before its
@@ -12,6 +14,7 @@ merge (impl.mooncake.report.write_trace) writes the trace:
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,4 +65,24 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
     by_step = [[rec["rec"] for rec in log if rec["k"] == "step"] for log in logs]
     for k, steps in enumerate(zip(*by_step)):
         _normalize(list(steps), k)
-    return write_trace(logs, fp, variant, SLOTS, timeout_steps, partial=True)
+    return write_trace(logs, fp, variant, SLOTS, timeout_steps, partial=True,
+                       enqueues_first=True, source="live")
+
+
+def claim_bounded_wait(path: Path, bound: int) -> str | None:
+    """If the replayed trace at ``path`` leaves a request polled more than ``bound``
+    times without leaving (liveness, the spec's ``bounded_wait``), add that claim before
+    its ``end`` record, for ``pdgate validate`` to confirm; returns the claim's detail."""
+    from model.spec.invariants import bounded_wait
+    from model.spec.trace import violation_record
+    from model.spec.validate import validate
+    with open(path, encoding="utf-8") as fp:
+        lines = fp.read().splitlines()
+    result = validate(lines)
+    found = bounded_wait(result.state, bound) if result.ok and result.state else []
+    if not found:
+        return None
+    claim = json.dumps(violation_record(found[0], result.steps, bound), separators=(",", ":"))
+    with open(path, "w", encoding="utf-8") as fp:       # the claim goes before ``end``
+        fp.write("\n".join([*lines[:-1], claim, lines[-1]]) + "\n")
+    return found[0].detail

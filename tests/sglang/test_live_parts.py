@@ -13,7 +13,7 @@ import pytest
 
 from impl.mooncake.report import ReportError
 from impl.sglang.live_deps import GPU_ONLY, requirements
-from impl.sglang.live_trace import trace_from_logs
+from impl.sglang.live_trace import claim_bounded_wait, trace_from_logs
 from model.spec.kernel import Decision
 from model.spec.validate import validate
 
@@ -106,3 +106,27 @@ def test_missing_venv_is_one_line(tmp_path):
                          env={**os.environ, "PDGATE_LIVE_VENV": str(tmp_path)})
     assert run.returncode == 1
     assert "install_live.sh" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def _held_logs(steps):
+    """Rank 1's room never lands: the gate holds the request at every step."""
+    logs = []
+    for r in (0, 1):
+        log = [{"k": "enq", "t": 0.1, "req": 0, "room": 77, "payload": None},
+               _env("kv_done", r, 0)]
+        if r == 0:
+            log += [_env("land", 0, 0, field="payload"), _env("land", 0, 0, field="room")]
+        log += [_step(k, [0], [4], [4 if r == 0 else 3], [3], []) for k in range(steps)]
+        logs.append(log)
+    return logs
+
+
+def test_a_request_held_past_the_bound_is_claimed_and_confirmed(tmp_path):
+    path = tmp_path / "t.ndjson"
+    with open(path, "w", encoding="utf-8") as fp:
+        trace_from_logs(_held_logs(6), fp, "deferred", None)
+    assert claim_bounded_wait(path, 10) is None              # not past this bound: no claim
+    detail = claim_bounded_wait(path, 3)
+    assert detail and "request 0" in detail
+    result = validate(path.read_text().splitlines())
+    assert result.ok and [c.invariant for c in result.claims] == ["bounded_wait"]
