@@ -70,8 +70,10 @@ class _Rank:
         fault = _late_room()
         self.late_ms = fault[1] if fault and fault[0] == self.rank else -1.0
 
-    def rid(self, decode_req: Any) -> int:
-        return self.log.ids[decode_req.req.rid] if self.log else 0
+    def rid(self, decode_req: Any) -> int | None:
+        """The trace id of a request this rank enqueued; None for the rest (SGLang's
+        health checks: fake transfers put straight into the queue, outside the protocol)."""
+        return self.log.ids.get(decode_req.req.rid) if self.log else None
 
     def enqueue(self, decode_req: Any) -> None:
         if self.log is None:
@@ -100,6 +102,10 @@ class _Rank:
         """One receiver poll: log what changed for this request (latched outcome, the
         room seen in its slot), inject the fault, return the value for the gate."""
         req = self.rid(decode_req)
+        if self.cur is not None:
+            self.cur["local"].append(value)
+        if req is None:
+            return value
         if value in (SUCCESS, FAILED) and req not in self.latched:
             self.latched[req] = value
             if self.log:
@@ -112,17 +118,14 @@ class _Rank:
                 self.landed.add(req)       # one write: the payload first, then the room (A1)
                 self.log.env("land", req, self.rank, field="payload")
                 self.log.env("land", req, self.rank, field="room")
-        if self.cur is not None:
-            self.cur["local"].append(value)
         return value
 
 
 class _Poller:
     """A receiver as the poll function sees it: each poll observed by the rank."""
 
-    def __init__(self, rank: _Rank, decode_req: Any, buffers: Any):
-        self.rank, self.decode_req, self.buffers = rank, decode_req, buffers
-        self.real = decode_req.kv_receiver
+    def __init__(self, rank: _Rank, real: Any, decode_req: Any, buffers: Any):
+        self.rank, self.real, self.decode_req, self.buffers = rank, real, decode_req, buffers
 
     def poll(self) -> int:
         return self.rank.observe(self.decode_req, self.buffers, int(self.real.poll()))
@@ -171,7 +174,7 @@ def wrap(decode: Any) -> None:
         if queue is None or decode_reqs is None:
             return own_poll(pollers, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
         rank = rank_of(queue)
-        ours = [_Poller(rank, d, metadata_buffers) for d in decode_reqs]
+        ours = [_Poller(rank, p, d, metadata_buffers) for p, d in zip(pollers, decode_reqs)]
         reduced = own_poll(ours, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
         if rank.cur is not None:
             rank.cur["reduced"] = [int(x) for x in reduced]
@@ -196,14 +199,19 @@ def wrap(decode: Any) -> None:
         cur, rank.cur = rank.cur, None
         left = {id(d) for d in before} - {id(d) for d in self.queue}
         reduced = cur["reduced"] or []
-        popped = [[rank.rid(d), *_decision(d, reduced[i])]
-                  for i, d in enumerate(before) if id(d) in left]
+        gated = cur["gated"] if cur["gated"] is not None else cur["local"]
+        ours = [i for i, d in enumerate(before) if rank.rid(d) is not None]
+        if not ours:                 # only health checks queued: no protocol step
+            return out
+        popped = [[rank.rid(before[i]), *_decision(before[i], reduced[i])]
+                  for i in ours if id(before[i]) in left]
         for req, _, _ in popped:
             rank.hidden.pop(req, None)
         rank.log.write({"k": "step", "rec": {
-            "step": rank.step, "queue": cur["queue"], "local": cur["local"],
-            "gated": cur["gated"] if cur["gated"] is not None else cur["local"],
-            "reduced": reduced, "popped": popped, "hang": None, "error": None}})
+            "step": rank.step, "queue": [cur["queue"][i] for i in ours],
+            "local": [cur["local"][i] for i in ours], "gated": [gated[i] for i in ours],
+            "reduced": [reduced[i] for i in ours], "popped": popped, "hang": None,
+            "error": None}})
         rank.step += 1
         return out
 
