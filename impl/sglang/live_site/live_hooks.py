@@ -146,9 +146,10 @@ def _decision(decode_req: Any, reduced: int) -> tuple[int, int]:
     return COMMIT, int(decode_req.req.output_ids[-1])
 
 
-def wrap(decode: Any) -> None:
-    """Wrap a freshly imported ``sglang.srt.disaggregation.decode`` (sitecustomize)."""
-    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+def wrap(decode: Any, utils: Any = None) -> None:
+    """Wrap a freshly imported ``sglang.srt.disaggregation.decode`` (sitecustomize) and
+    its ``utils`` module (default: SGLang's)."""
+    utils = utils or importlib.import_module("sglang.srt.disaggregation.utils")
     if os.environ.get("PDGATE_LIVE_PATCH") == "strict":
         from impl.sglang.patch import install
         steps = os.environ.get("PDGATE_LIVE_TIMEOUT_STEPS")
