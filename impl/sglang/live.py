@@ -107,6 +107,23 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
     return out
 
 
+def baseline(work: Path, model: Path, cfg: argparse.Namespace) -> dict[str, Any]:
+    """The plain server's outputs, kept next to the model under a key of everything they
+    depend on (the model's files, the prompts, the token count, the release), so later
+    runs reuse them; ``--fresh-baseline`` runs the server again."""
+    import hashlib
+    key = hashlib.sha256(json.dumps([RELEASE, prompts(cfg.requests), cfg.max_new_tokens]).encode())
+    for name in sorted(p.name for p in model.iterdir() if not p.name.startswith("baseline-")):
+        key.update(name.encode() + (model / name).read_bytes())
+    cached = model / f"baseline-{key.hexdigest()[:16]}.json"
+    if cached.exists() and not cfg.fresh_baseline:
+        return {**json.loads(cached.read_text()), "cached": str(cached)}
+    out = deploy("baseline", work, model, cfg, {})
+    if all(e is None for e in out["errors"]):
+        cached.write_text(json.dumps(out))
+    return out
+
+
 def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int | None,
                 bound: int) -> dict:
     """The decode ranks' logs as one spec trace (impl/sglang/live_trace.py), with a
@@ -134,7 +151,7 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     model = ensure_model(venv_dir().parent / "live-model", cfg.start_timeout_s)
-    base = deploy("baseline", work / "baseline", model, cfg, {})
+    base = baseline(work / "baseline", model, cfg)
     env = {"PDGATE_LIVE_LOG_DIR": str(work / "pd")}
     if cfg.late_room:
         env["PDGATE_LIVE_LATE_ROOM"] = cfg.late_room
@@ -173,6 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "waited longer")
     p.add_argument("--start-timeout-s", type=number(10, 3600), default=600.0)
     p.add_argument("--request-timeout-s", type=number(1, 3600), default=120.0)
+    p.add_argument("--fresh-baseline", action="store_true",
+                   help="run the plain server even where its outputs are cached")
     p.add_argument("--work-dir")
     p.add_argument("--json")
     p.add_argument("--trace")
