@@ -48,7 +48,10 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PDGATE_LIVE_", "PYTHON"))}
     env.update(PYTHONPATH=f"{SITE}{os.pathsep}{ROOT}", SGLANG_USE_CPU_ENGINE="1",
                MC_FORCE_TCP="1", SGLANG_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", MC_LOG_LEVEL="ERROR", **extra)
+               TRANSFORMERS_OFFLINE="1", MC_LOG_LEVEL="ERROR",
+               # TP>1 compiles the vocab-parallel embedding with inductor at the first
+               # decode batch: minutes of C++ builds on 2 loaded cores; eager is exact
+               TORCH_COMPILE_DISABLE="1", **extra)
     return env
 
 

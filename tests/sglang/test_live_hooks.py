@@ -67,6 +67,9 @@ def _modules(gate: bool):
         def add(self, d):
             self.queue.append(d)
 
+        def extend(self, ds):
+            self.queue.extend(ds)
+
         def pop_transferred(self):
             if not self.queue:
                 return []
@@ -102,7 +105,7 @@ def _run(hooks, gate: bool) -> list[dict]:
     live_hooks.wrap(decode, utils)
     q = decode.DecodeTransferQueue()
     d = _DecodeReq(_Req("a", 77), 1, 2)
-    q.add(d)
+    q.extend([d])                                      # how 0.5.23's scheduler queues
     q.queue.append(_DecodeReq(_Req("HEALTH_CHECK_x", 0), 2, 4))     # not through add
     q.pop_transferred()
     d.kv_receiver.value = 4

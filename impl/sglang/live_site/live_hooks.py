@@ -11,7 +11,7 @@ Set by the parent through the environment (read once, at import):
 - ``PDGATE_LIVE_LOG_DIR``: each rank appends ``rank{tp_rank}.jsonl`` in the e2e log
   shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``) as
   the rank observes them at its polls, ``enq`` when a request enters its transfer
-  queue (payload unknown then: the parent fills it from the commits), ``step`` with the
+  queue (``add`` or ``extend``) (payload unknown then: the parent fills it from the commits), ``step`` with the
   queue, the receiver polls, what went into the MIN, the MIN and the pops.
 
 SGLang's classes are wrapped when ``sglang.srt.disaggregation.decode`` is first
@@ -155,7 +155,7 @@ def wrap(decode: Any, utils: Any = None) -> None:
         steps = os.environ.get("PDGATE_LIVE_TIMEOUT_STEPS")
         install("0.5.23", timeout_steps=int(steps) if steps else None, observer=_Observer())
     cls = decode.DecodeTransferQueue
-    own_add, own_pop = cls.add, cls.pop_transferred
+    own_add, own_extend, own_pop = cls.add, cls.extend, cls.pop_transferred
     own_poll = decode.poll_and_all_reduce
     own_gate = getattr(utils, "_apply_metadata_gate", None)
 
@@ -167,6 +167,13 @@ def wrap(decode: Any, utils: Any = None) -> None:
     def add(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
         out = own_add(self, decode_req, *args, **kwargs)
         rank_of(self).enqueue(decode_req)
+        return out
+
+    def extend(self: Any, decode_reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        decode_reqs = list(decode_reqs)
+        out = own_extend(self, decode_reqs, *args, **kwargs)
+        for decode_req in decode_reqs:
+            rank_of(self).enqueue(decode_req)
         return out
 
     def poll_and_all_reduce(pollers: Any, gloo_group: Any, decode_reqs: Any = None,
@@ -216,7 +223,7 @@ def wrap(decode: Any, utils: Any = None) -> None:
         rank.step += 1
         return out
 
-    cls.add, cls.pop_transferred = add, pop_transferred
+    cls.add, cls.extend, cls.pop_transferred = add, extend, pop_transferred
     decode.poll_and_all_reduce = poll_and_all_reduce
     if own_gate is not None and os.environ.get("PDGATE_LIVE_PATCH") != "strict":
         utils._apply_metadata_gate = gate
