@@ -91,7 +91,8 @@ def _can_create_in(folder: Path) -> bool:
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
     "replay": ("out",), "e2e": ("json", "trace"), "live": ("json", "trace"), "bench": ("json",)}
-OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",)}
+OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",),
+                                           "live": ("work_dir",)}
 INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",)}
 
 
