@@ -57,6 +57,7 @@ def _modules(gate: bool):
         utils._apply_metadata_gate(polls, decode_reqs, metadata_buffers)
         return polls                    # one rank: the MIN is its own vector
     utils._apply_metadata_gate, utils.poll_and_all_reduce = apply_gate, poll_and_all_reduce
+    utils._is_fake_transfer = lambda req: req.rid.startswith("HEALTH_CHECK")
     decode = types.ModuleType("fake_decode")
     decode.poll_and_all_reduce = lambda *a, **k: utils.poll_and_all_reduce(*a, **k)
 
@@ -106,7 +107,7 @@ def _run(hooks, gate: bool) -> list[dict]:
     q = decode.DecodeTransferQueue()
     d = _DecodeReq(_Req("a", 77), 1, 2)
     q.extend([d])                                      # how 0.5.23's scheduler queues
-    q.queue.append(_DecodeReq(_Req("HEALTH_CHECK_x", 0), 2, 4))     # not through add
+    q.extend([_DecodeReq(_Req("HEALTH_CHECK_x", 0), 2, 4)])      # a fake transfer
     q.pop_transferred()
     d.kv_receiver.value = 4
     q.metadata_buffers.bootstrap_room[1, 0] = 77       # the room lands with the KV ...

@@ -71,12 +71,13 @@ class _Rank:
         self.late_ms = fault[1] if fault and fault[0] == self.rank else -1.0
 
     def rid(self, decode_req: Any) -> int | None:
-        """The trace id of a request this rank enqueued; None for the rest (SGLang's
-        health checks: fake transfers put straight into the queue, outside the protocol)."""
+        """The trace id of a request this rank logged; None for the rest (health checks)."""
         return self.log.ids.get(decode_req.req.rid) if self.log else None
 
-    def enqueue(self, decode_req: Any) -> None:
-        if self.log is None:
+    def enqueue(self, decode_req: Any, fake: Any) -> None:
+        """Log a request entering the queue; SGLang's health checks (fake transfers: no
+        KV, no metadata) are outside the protocol and stay out of the trace."""
+        if self.log is None or (fake is not None and fake(decode_req.req)):
             return
         req = self.log.ids.setdefault(decode_req.req.rid, len(self.log.ids))
         self.log.write({"k": "enq", "req": req, "room": int(decode_req.req.bootstrap_room or 0),
@@ -158,6 +159,7 @@ def wrap(decode: Any, utils: Any = None) -> None:
     own_add, own_extend, own_pop = cls.add, cls.extend, cls.pop_transferred
     own_poll = decode.poll_and_all_reduce
     own_gate = getattr(utils, "_apply_metadata_gate", None)
+    fake = getattr(utils, "_is_fake_transfer", None)
 
     def rank_of(queue: Any) -> _Rank:
         if not hasattr(queue, "_pdgate_live"):
@@ -166,14 +168,14 @@ def wrap(decode: Any, utils: Any = None) -> None:
 
     def add(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
         out = own_add(self, decode_req, *args, **kwargs)
-        rank_of(self).enqueue(decode_req)
+        rank_of(self).enqueue(decode_req, fake)
         return out
 
     def extend(self: Any, decode_reqs: Any, *args: Any, **kwargs: Any) -> Any:
         decode_reqs = list(decode_reqs)
         out = own_extend(self, decode_reqs, *args, **kwargs)
         for decode_req in decode_reqs:
-            rank_of(self).enqueue(decode_req)
+            rank_of(self).enqueue(decode_req, fake)
         return out
 
     def poll_and_all_reduce(pollers: Any, gloo_group: Any, decode_reqs: Any = None,
