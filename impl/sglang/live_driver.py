@@ -104,6 +104,28 @@ def _generate(port: int, prompts: list[str], max_new_tokens: int, timeout_s: flo
     return [g[0] for g in got], [g[1] for g in got]
 
 
+def _routed(deadline: float) -> None:
+    """The router answers /health before it has registered its workers (then it says
+    503 "No available servers"): send one short warm-up request until the router hands
+    it to them. Any other outcome (an answer, an error from the workers, no answer in
+    10 s: a fault run may hold it) means the workers are registered."""
+    body = {"text": "w0", "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    while time.monotonic() < deadline:
+        try:
+            _post(ROUTER, "/generate", body, 10)
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                return
+        except TimeoutError:
+            return
+        except (OSError, urllib.error.URLError) as exc:
+            if isinstance(getattr(exc, "reason", None), TimeoutError):
+                return
+        time.sleep(2)
+    raise DriverError("the router registered no workers before the start deadline")
+
+
 def run(cfg: dict) -> dict:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=30)
     dep = Deployment(cfg)
@@ -131,6 +153,7 @@ def run(cfg: dict) -> dict:
                                  f"http://127.0.0.1:{DECODE}", "--host", "127.0.0.1",
                                  "--port", str(ROUTER)])
             dep.wait([ROUTER], t0 + start_s, "the router")
+            _routed(t0 + start_s)
             port = ROUTER
         t_up = time.monotonic()
         outputs, errors = _generate(port, cfg["prompts"], cfg["max_new_tokens"],

@@ -5,9 +5,9 @@ Set by the parent through the environment (read once, at import):
 - ``PDGATE_LIVE_PATCH=strict``: ``impl.sglang.patch.install("0.5.23")``, with strict's
   timeout of ``PDGATE_LIVE_TIMEOUT_STEPS`` steps.
 - ``PDGATE_LIVE_LATE_ROOM=RANK:MS``: on that decode rank, each request's metadata room
-  is hidden (its slot's ``bootstrap_room`` zeroed) when the receiver first polls
-  Success and written back MS ms later (``never``: not written back): a late metadata
-  write on one rank, as in SGLang #35049, made to happen on every request.
+  is hidden (its slot's ``bootstrap_room`` zeroed) at the first poll that finds it there
+  and written back MS ms later (``never``: not written back): a late metadata write on
+  one rank, as in SGLang #35049, made to happen on every request.
 - ``PDGATE_LIVE_LOG_DIR``: each rank appends ``rank{tp_rank}.jsonl`` in the e2e log
   shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``) as
   the rank observes them at its polls, ``enq`` when a request enters its transfer
@@ -65,6 +65,7 @@ class _Rank:
         self.latched: dict[int, int] = {}         # req -> Success/Failed seen
         self.landed: set[int] = set()
         self.hidden: dict[int, int] = {}          # req -> the room taken out of its slot
+        self.hidden_once: set[int] = set()
         self.step = 0
         self.cur: dict | None = None
         fault = _late_room()
@@ -99,27 +100,48 @@ class _Rank:
         timer.daemon = True
         timer.start()
 
+    def _room_seen(self, decode_req: Any, buffers: Any) -> bool:
+        seen = int(buffers.bootstrap_room[decode_req.metadata_buffer_index, 0].item())
+        return seen != 0 and seen == int(decode_req.req.bootstrap_room or 0)
+
     def observe(self, decode_req: Any, buffers: Any, value: int) -> int:
-        """One receiver poll: log what changed for this request (latched outcome, the
-        room seen in its slot), inject the fault, return the value for the gate."""
+        """One receiver poll: log a newly latched outcome; on the fault rank, hide the
+        room the moment it first appears in the slot (before any gate reads it)."""
         req = self.rid(decode_req)
         if self.cur is not None:
             self.cur["local"].append(value)
         if req is None:
+            if self.cur is not None:
+                self.cur["entries"].append((None, decode_req, buffers, value, False))
             return value
         if value in (SUCCESS, FAILED) and req not in self.latched:
             self.latched[req] = value
             if self.log:
                 self.log.env("kv_done" if value == SUCCESS else "fail", req, self.rank)
-            if value == SUCCESS and self.late_ms != -1.0:
-                self._hide(decode_req, buffers, req)
-        if buffers is not None and req not in self.landed and self.log:
-            seen = int(buffers.bootstrap_room[decode_req.metadata_buffer_index, 0].item())
-            if seen != 0 and seen == int(decode_req.req.bootstrap_room or 0):
+        if (self.late_ms != -1.0 and buffers is not None and req not in self.hidden_once
+                and self._room_seen(decode_req, buffers)):
+            self.hidden_once.add(req)
+            self._hide(decode_req, buffers, req)
+        if self.cur is not None:
+            before = buffers is not None and self._room_seen(decode_req, buffers)
+            self.cur["entries"].append((req, decode_req, buffers, value, before))
+        return value
+
+    def after_gate(self, gated: list) -> None:
+        """Log the rooms that landed. The slot is read before the gate (at the poll) and
+        after it: there both times, it landed; absent both times, it did not (whatever
+        the gate did: the replay judges it). Only a room that appeared between the two
+        reads is decided by the gate's verdict, since the gate read it in between."""
+        if self.cur is None or not self.log:
+            return
+        for (req, decode_req, buffers, value, before), g in zip(self.cur["entries"], gated):
+            if req is None or req in self.landed or buffers is None:
+                continue
+            after = self._room_seen(decode_req, buffers)
+            if after and (before or value != SUCCESS or g == SUCCESS):
                 self.landed.add(req)       # one write: the payload first, then the room (A1)
                 self.log.env("land", req, self.rank, field="payload")
                 self.log.env("land", req, self.rank, field="room")
-        return value
 
 
 class _Poller:
@@ -199,8 +221,8 @@ def wrap(decode: Any, utils: Any = None) -> None:
         if not self.queue or rank.log is None:
             return own_pop(self, *args, **kwargs)
         before = list(self.queue)
-        rank.cur = {"queue": [rank.rid(d) for d in before], "local": [], "gated": None,
-                    "reduced": None}
+        rank.cur = {"queue": [rank.rid(d) for d in before], "local": [], "entries": [],
+                    "gated": None, "reduced": None}
         _CURRENT["queue"], _CURRENT["rank"] = self, rank
         try:
             out = own_pop(self, *args, **kwargs)
@@ -238,6 +260,7 @@ def _note_gated(gated: list) -> None:
     rank = _CURRENT.get("rank")
     if rank is not None and rank.cur is not None:
         rank.cur["gated"] = [int(x) for x in gated]
+        rank.after_gate(rank.cur["gated"])
 
 
 class _Observer:
