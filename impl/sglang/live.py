@@ -217,14 +217,24 @@ def _late_room_problem(text: str | None) -> str | None:
     return None
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP: unwind, so the running deployment's namespace is killed."""
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise _Stopped(f"stopped by signal {signum}; every server it started is killed")
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _late_room_problem(args.late_room)
     if problem:
         print(f"pdgate live: {problem}", file=sys.stderr)
         return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
     try:
         out = run_live(args)
-    except (LiveError, OSError, subprocess.SubprocessError) as exc:
+    except (LiveError, OSError, subprocess.SubprocessError, _Stopped) as exc:
         print(f"pdgate live: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return 1
