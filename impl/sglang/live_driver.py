@@ -151,7 +151,10 @@ def run(cfg: dict) -> dict:
                                  "--pd-disaggregation", "--prefill",
                                  f"http://127.0.0.1:{PREFILL}", str(BOOTSTRAP), "--decode",
                                  f"http://127.0.0.1:{DECODE}", "--host", "127.0.0.1",
-                                 "--port", str(ROUTER)])
+                                 "--port", str(ROUTER),
+                                 # an aborted request is the outcome under test: not
+                                 # resent, and not a reason to stop routing to a worker
+                                 "--disable-retries", "--disable-circuit-breaker"])
             dep.wait([ROUTER], t0 + start_s, "the router")
             _routed(t0 + start_s)
             port = ROUTER
