@@ -133,20 +133,24 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
     ``bounded_wait`` claim where some request was polled more than ``bound`` times
     without leaving, validated."""
     from impl.mooncake.report import ReportError
-    from impl.sglang.live_trace import claim_bounded_wait, rank_logs, trace_from_logs
+    from impl.sglang.live_trace import (claim_bounded_wait, first_unlatched, rank_logs,
+                                        trace_from_logs)
     from model.spec.validate import validate
     try:
         logs = rank_logs(work, ranks=2)
+        cut = first_unlatched(logs)
         with open(trace_path, "w", encoding="utf-8") as fp:
             steps = trace_from_logs(logs, fp, variant, timeout_steps)
     except (ReportError, KeyError, ValueError) as exc:
         return {"trace": None, "steps": None, "trace_valid": False,
-                "trace_message": f"trace not written: {exc}", "bounded_wait": None}
+                "trace_message": f"trace not written: {exc}", "bounded_wait": None,
+                "cut_at_client_abort": None}
     claim = claim_bounded_wait(trace_path, bound)
     with open(trace_path, encoding="utf-8") as fp:
         check = validate(fp)
     return {"trace": str(trace_path), "steps": steps, "trace_valid": check.ok,
-            "trace_message": check.message, "bounded_wait": claim}
+            "trace_message": check.message, "bounded_wait": claim,
+            "cut_at_client_abort": cut}
 
 
 def run_live(cfg: argparse.Namespace) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """The live decode ranks' logs (impl/sglang/live_site/live_hooks.py) as one spec trace.
 
-Three things differ from an e2e rank log, and are settled here, checked, before the e2e
+Four things differ from an e2e rank log, and are settled here, checked, before the e2e
 merge (impl.mooncake.report.write_trace) writes the trace:
+- a client that gives up makes the router abort its request: the receiver leaves its
+  latched Success, which the spec's receiver never does; the trace ends before it;
 - a rank observes the environment at its polls, after the requests it enqueued before
   the step: a segment's enqueues are written before its events;
 - a request's first token is not known when it enters the queue: its ``enq`` payload
@@ -48,9 +50,46 @@ def _normalize(steps: list[dict[str, Any]], k: int) -> None:
         st["reduced"] = reduced
 
 
+def first_unlatched(logs: list[list[dict[str, Any]]]) -> int | None:
+    """The first step at which some rank's receiver left a latched outcome (Success,
+    then anything else): a client abort (the router's ``AbortReq`` after a request
+    timed out), outside the protocol the spec models. None if no receiver did."""
+    first = None
+    for log in logs:
+        latched: dict[int, int] = {}
+        for rec in log:
+            if rec["k"] != "step":
+                continue
+            st = rec["rec"]
+            for req, value in zip(st["queue"], st["local"]):
+                if latched.get(req, value) != value:
+                    first = st["step"] if first is None else min(first, st["step"])
+                    break
+                if value in (SUCCESS, FAILED):
+                    latched[req] = value
+    return first
+
+
+def cut_before(logs: list[list[dict[str, Any]]], step: int) -> list[list[dict[str, Any]]]:
+    """Each rank's log up to its record of protocol step ``step - 1``."""
+    out = []
+    for log in logs:
+        kept = []
+        for rec in log:
+            if rec["k"] == "step" and rec["rec"]["step"] >= step:
+                break
+            kept.append(rec)
+        out.append(kept)
+    return out
+
+
 def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
                     timeout_steps: int | None) -> int:
-    """Write the spec trace of ``logs`` to ``fp``; returns the number of steps."""
+    """Write the spec trace of ``logs`` to ``fp`` (cut before the first client abort,
+    ``first_unlatched``); returns the number of steps."""
+    cut = first_unlatched(logs)
+    if cut is not None:
+        logs = cut_before(logs, cut)
     payload = {}
     for log in logs:
         for rec in log:

@@ -13,7 +13,7 @@ import pytest
 
 from impl.mooncake.report import ReportError
 from impl.sglang.live_deps import GPU_ONLY, requirements
-from impl.sglang.live_trace import claim_bounded_wait, trace_from_logs
+from impl.sglang.live_trace import claim_bounded_wait, first_unlatched, trace_from_logs
 from model.spec.kernel import Decision
 from model.spec.validate import validate
 
@@ -130,3 +130,16 @@ def test_a_request_held_past_the_bound_is_claimed_and_confirmed(tmp_path):
     assert detail and "request 0" in detail
     result = validate(path.read_text().splitlines())
     assert result.ok and [c.invariant for c in result.claims] == ["bounded_wait"]
+
+
+def test_a_client_abort_cuts_the_trace_before_it():
+    logs = _held_logs(6)
+    for log in logs:                 # step 4: the router's AbortReq fails the receiver
+        for rec in log:
+            if rec["k"] == "step" and rec["rec"]["step"] >= 4:
+                rec["rec"]["local"] = [0]
+    assert first_unlatched(logs) == 4
+    buf = io.StringIO()
+    assert trace_from_logs(logs, buf, "deferred", None) == 4
+    assert validate(buf.getvalue().splitlines()).ok
+    assert first_unlatched(_held_logs(6)) is None
