@@ -51,6 +51,7 @@ def test_live_room_never_lands_strict_aborts_everywhere(tmp_path):
     got = _live(tmp_path, "--late-room", "1:never", "--patch", "strict",
                 "--timeout-steps", "50", "--request-timeout-s", "60")
     assert got["failed_requests"] == 4          # aborted, not hanging: the client got errors
+    assert got["errors"] and all("transfer failed" in e for e in got["errors"]), got["errors"]
     assert got["trace_valid"], got["trace_message"]
     with open(got["trace"], encoding="utf-8") as fp:
         assert validate(fp).ok
