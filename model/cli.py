@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "conform": ("impl.sglang.conform", "run SGLang releases' own decode code on traces and check it against the spec"),
     "e2e": ("impl.e2e", "end to end over real Mooncake: one prefill, T decode ranks"),
     "mutate": ("proofs.mutate", "the test suite's self-test: realistic source mutants, each killed by its named tests"),
+    "live": ("impl.sglang.live", "a live SGLang 0.5.23 prefill + TP=2 decode + router on CPU, checked against a plain server"),
     "bench": ("bench.cli", "run the benchmarks in bench/ and print their figures"),
 }
 
@@ -96,9 +97,11 @@ def _can_create_in(folder: Path) -> bool:
 OUTPUT_FILES: dict[str, tuple[str, ...]] = {
     "prove": ("json",), "simulate": ("json", "trace", "perfetto"), "sweep": ("out",),
     "replay": ("out",), "e2e": ("json", "trace"), "bench": ("json",), "conform": ("json",),
+    "live": ("json", "trace"),
     "mutate": ("json",), "calibrate": ("out", "json")}
 OUTPUT_DIRS: dict[str, tuple[str, ...]] = {"prove": ("traces",), "simulate": ("plot",),
-                                           "sweep": ("plot",), "e2e": ("work_dir",)}
+                                           "sweep": ("plot",), "e2e": ("work_dir",),
+                                           "live": ("work_dir",)}
 INPUT_FILES: dict[str, tuple[str, ...]] = {"replay": ("trace",), "simulate": ("trace_in",),
                                            "sweep": ("trace_in",), "validate": ("trace",)}
 

@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 $SUDO apt-get update -qq
-# util-linux: nsenter, for `pdgate e2e`'s private network namespace (impl/mooncake/netns.py); patch: conform's diffs
-$SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 util-linux patch >/dev/null
+# util-linux: nsenter, for `pdgate e2e`'s private network namespace (impl/mooncake/netns.py);
+# iproute2: `pdgate live`'s namespace loopback; patch: conform's diffs
+$SUDO apt-get install -y -qq libibverbs1 libnuma1 libcurl4 iproute2 util-linux patch >/dev/null
 python -m pip install -q --root-user-action=ignore torch==2.13.0
 python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
 # setup.py compiles the simulator's hot modules with mypyc where a C compiler is there
@@ -21,3 +22,6 @@ for v in $(python -c 'from impl.sglang.wheels import PINNED; print(*PINNED)'); d
         python -m pip download -q --no-deps "sglang==$v" -d "$SGLANG_CACHE"
     fi
 done
+# `pdgate live`'s venv: SGLang 0.5.23 on CPU with sglang-router and Mooncake (a separate
+# venv, ~/.cache/pdgate/live-venv by default; kept once built). It reads the cached wheel.
+bash scripts/install_live.sh

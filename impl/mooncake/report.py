@@ -68,10 +68,12 @@ def _segments(log: list[dict[str, Any]]) -> list[_Segment]:
 
 
 def write_trace(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str, slots: int,
-                timeout_steps: int | None, partial: bool = False) -> int:
+                timeout_steps: int | None, partial: bool = False,
+                enqueues_first: bool = False, source: str = "e2e") -> int:
     """Merge the ranks' logs into ``fp``; returns the number of steps. ``partial``: the
     logs of a failed run, cut to the steps every rank logged (what the ranks saw after
-    the last of them stays out)."""
+    the last of them stays out). ``enqueues_first``: a segment's enqueues go before its
+    events (ranks that observe the environment at the step's polls, ``pdgate live``)."""
     ranks = len(logs)
     segs = [_segments(log) for log in logs]
     if partial:
@@ -80,18 +82,24 @@ def write_trace(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str, slo
     if len({len(s) for s in segs}) != 1:
         raise ReportError(f"ranks took different numbers of steps: {[len(s) - 1 for s in segs]}")
     t0 = min((rec["t"] for log in logs for rec in log), default=0.0)
-    header = Header(variant, ranks, slots, timeout_steps, "e2e")
-    writer = TraceWriter(fp, variant, ranks, slots, "e2e", timeout_steps=timeout_steps)
+    header = Header(variant, ranks, slots, timeout_steps, source)
+    writer = TraceWriter(fp, variant, ranks, slots, source, timeout_steps=timeout_steps)
     ms = (lambda t: (t - t0) * 1000.0)
-    for k in range(len(segs[0])):
+    def events(k: int) -> None:
         for r in range(ranks):
             for rec in segs[r][k].events:
                 writer.event(parse_record(rec["ev"], 0, header), ms(rec["t"]))
+
+    for k in range(len(segs[0])):
+        if not enqueues_first:
+            events(k)
         enq = [[(e["req"], e["room"], e["payload"]) for e in s[k].enqueues] for s in segs]
         if any(e != enq[0] for e in enq):
             raise ReportError(f"ranks enqueued different requests before step {k}")
         for e in segs[0][k].enqueues:
             writer.event(Enqueue(e["req"], e["room"], e["payload"]), ms(e["t"]))
+        if enqueues_first:
+            events(k)
         if segs[0][k].step is None:
             break
         steps = [s[k].step["rec"] for s in segs]

@@ -277,11 +277,12 @@ def _live_release(decode: Any, utils: Any, transfer_backend: str,
 
 def install(release: str, *, timeout_steps: int | None = None,
             collective_timeout_s: float = 30.0, agreed_release: bool = True,
-            transfer_backend: str = "mooncake") -> None:
+            transfer_backend: str = "mooncake", observer: Any = None) -> None:
     """Apply the strict patch in a live SGLang decode worker, at start-up, before the
     scheduler builds its queues: ``impl.sglang.patch.install("0.5.23")``. Refuses a
     release other than the one installed (the patch is checked per release by ``pdgate
-    conform --patch strict``)."""
+    conform --patch strict``). ``observer.note(gated)`` sees what each step hands to the
+    MIN (``pdgate live``'s rank logs)."""
     import importlib
     sglang = importlib.import_module("sglang")
     installed = getattr(sglang, "__version__", None)
@@ -289,8 +290,9 @@ def install(release: str, *, timeout_steps: int | None = None,
         raise RuntimeError(f"strict patch for SGLang {release}, but {installed} is installed")
     decode = importlib.import_module("sglang.srt.disaggregation.decode")
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
-    install_into(_live_release(decode, utils, transfer_backend, collective_timeout_s),
-                 timeout_steps, agreed_release)
+    target = _live_release(decode, utils, transfer_backend, collective_timeout_s)
+    target.observer = observer
+    install_into(target, timeout_steps, agreed_release)
 
 
 # ---------------------------------------------------------------------------------------

@@ -56,6 +56,15 @@ def step_record(rec: StepRecord) -> dict[str, Any]:
                       for r in rec.ranks]}
 
 
+def violation_record(v: Violation, step: int, bound: int | None = None) -> dict[str, Any]:
+    """A ``violation`` claim (docs/trace-format.md); ``bound`` for ``bounded_wait``."""
+    rec: dict[str, Any] = {"kind": "violation", "invariant": v.invariant, "step": step,
+                           "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail}
+    if bound is not None:      # bounded_wait: the number of steps exceeded
+        rec["bound"] = bound
+    return rec
+
+
 class TraceWriter:
     """Writes one trace. ``t`` (milliseconds, simulated or wall) is optional on any record."""
 
@@ -82,11 +91,7 @@ class TraceWriter:
         self._write(step_record(rec), t)
 
     def violation(self, v: Violation, step: int, bound: int | None = None) -> None:
-        rec = {"kind": "violation", "invariant": v.invariant, "step": step,
-               "ranks": list(v.ranks), "reqs": list(v.reqs), "detail": v.detail}
-        if bound is not None:      # bounded_wait: the number of steps exceeded
-            rec["bound"] = bound
-        self._write(rec)
+        self._write(violation_record(v, step, bound))
 
     def end(self, steps: int) -> None:
         self._write({"kind": "end", "steps": steps})

@@ -202,6 +202,9 @@ FLAG_CASES: list[list[str]] = [
     ["e2e", "--metadata-delay", "5:10"], ["e2e", "--metadata-delay", "x"], ["e2e", "--device", "tpu"], ["e2e", "--netns", "bogus"],
     ["e2e", "--variant", "ungated"], ["e2e", "--host", "no such host"], ["e2e", "--json", "/proc/x"], ["e2e", "--trace", "/"],
     ["e2e", "--requests", "100000", "--max-pages", "1000", "--pages", "1000"],
+    ["live", "--late-room", "1:nan"], ["live", "--late-room", "1:-5"], ["live", "--late-room", "9:1"],
+    ["live", "--late-room", "x"], ["live", "--patch", "loose"], ["live", "--requests", "1e9"],
+    ["live", "--json", "/proc/x"], ["live", "--trace", "/"], ["live", "--work-dir", "/proc/x"],
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],
     ["nosuchcommand"], ["--bogus-flag"],
 ]

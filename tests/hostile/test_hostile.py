@@ -149,7 +149,7 @@ def test_simulations_that_would_not_end_are_refused_or_bounded(argv, tmp_path, c
 def test_every_subcommand_has_flag_cases():
     """Hand-written cases for each subcommand known today; typed_flag_cases covers any
     subcommand added later through its own parser."""
-    assert {a[0] for a in FLAG_CASES} >= {"prove", "validate", "simulate", "sweep", "replay", "e2e", "bench"}
+    assert {a[0] for a in FLAG_CASES} >= {"prove", "validate", "simulate", "sweep", "replay", "e2e", "bench", "live"}
     typed = typed_flag_cases()
     assert {a[0] for a in typed} == set(SUBCOMMANDS)
     assert sum(a[0] == "simulate" for a in typed) > 40      # every numeric simulate flag

@@ -1,0 +1,271 @@
+"""Inside a live SGLang 0.5.23 decode worker (``pdgate live``): the strict patch, one
+fault, and a per-rank log of every protocol step.
+
+Set by the parent through the environment (read once, at import):
+- ``PDGATE_LIVE_PATCH=strict``: ``impl.sglang.patch.install("0.5.23")``, with strict's
+  timeout of ``PDGATE_LIVE_TIMEOUT_STEPS`` steps.
+- ``PDGATE_LIVE_LATE_ROOM=RANK:MS``: on that decode rank, each request's metadata room
+  is hidden (its slot's ``bootstrap_room`` zeroed) at the first poll that finds it there
+  and written back MS ms later (``never``: not written back): a late metadata write on
+  one rank, as in SGLang #35049, made to happen on every request.
+- ``PDGATE_LIVE_LOG_DIR``: each rank appends ``rank{tp_rank}.jsonl`` in the e2e log
+  shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``) as
+  the rank observes them at its polls, ``enq`` when a request enters its transfer
+  queue (``add`` or ``extend``) (payload unknown then: the parent fills it from the commits), ``step`` with the
+  queue, the receiver polls, what went into the MIN, the MIN and the pops.
+
+SGLang's classes are wrapped when ``sglang.srt.disaggregation.decode`` is first
+imported (sitecustomize's post-import hook), so the scheduler processes get them before
+they build their queues.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+from typing import Any
+
+SUCCESS, FAILED = 4, 0
+COMMIT, ABORT_FAILED, ABORT_ROOM_ZERO, ABORT_ROOM_MISMATCH = 1, 2, 3, 4   # spec Decision
+
+
+def _late_room() -> tuple[int, float | None] | None:
+    text = os.environ.get("PDGATE_LIVE_LATE_ROOM")
+    if not text:
+        return None
+    rank, _, ms = text.partition(":")
+    return int(rank), None if ms == "never" else float(ms)
+
+
+class _RankLog:
+    """One rank's records, one JSON line each, flushed at once (the rank may be killed)."""
+
+    def __init__(self, folder: str, rank: int):
+        self.fp = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", encoding="utf-8")
+        self.ids: dict[str, int] = {}             # SGLang rid -> trace request id
+
+    def write(self, rec: dict) -> None:
+        rec["t"] = time.time()
+        self.fp.write(json.dumps(rec) + "\n")
+        self.fp.flush()
+
+    def env(self, kind: str, req: int, rank: int, **extra: Any) -> None:
+        self.write({"k": "env", "ev": {"kind": kind, "rank": rank, "req": req, **extra}})
+
+
+class _Rank:
+    """Per transfer queue (one per decode rank): what the rank saw, for its log."""
+
+    def __init__(self, queue: Any):
+        self.rank = int(queue.tp_rank)
+        folder = os.environ.get("PDGATE_LIVE_LOG_DIR")
+        self.log = _RankLog(folder, self.rank) if folder else None
+        self.latched: dict[int, int] = {}         # req -> Success/Failed seen
+        self.landed: set[int] = set()
+        self.hidden: dict[int, int] = {}          # req -> the room taken out of its slot
+        self.hidden_once: set[int] = set()
+        self.step = 0
+        self.cur: dict | None = None
+        fault = _late_room()
+        self.late_ms = fault[1] if fault and fault[0] == self.rank else -1.0
+
+    def rid(self, decode_req: Any) -> int | None:
+        """The trace id of a request this rank logged; None for the rest (health checks)."""
+        return self.log.ids.get(decode_req.req.rid) if self.log else None
+
+    def enqueue(self, decode_req: Any, fake: Any) -> None:
+        """Log a request entering the queue; SGLang's health checks (fake transfers: no
+        KV, no metadata) are outside the protocol and stay out of the trace."""
+        if self.log is None or (fake is not None and fake(decode_req.req)):
+            return
+        req = self.log.ids.setdefault(decode_req.req.rid, len(self.log.ids))
+        self.log.write({"k": "enq", "req": req, "room": int(decode_req.req.bootstrap_room or 0),
+                        "payload": None})
+
+    def _hide(self, decode_req: Any, buffers: Any, req: int) -> None:
+        """The late-room fault: take the room out now, put it back after late_ms."""
+        col, idx = buffers.bootstrap_room, decode_req.metadata_buffer_index
+        room = int(decode_req.req.bootstrap_room or 0)
+        col[idx, 0] = 0
+        self.hidden[req] = room
+        if self.late_ms is None:
+            return
+
+        def land() -> None:
+            if self.hidden.pop(req, None) is not None:   # still queued: its slot is its own
+                col[idx, 0] = room
+        timer = threading.Timer(self.late_ms / 1000.0, land)
+        timer.daemon = True
+        timer.start()
+
+    def _room_seen(self, decode_req: Any, buffers: Any) -> bool:
+        seen = int(buffers.bootstrap_room[decode_req.metadata_buffer_index, 0].item())
+        return seen != 0 and seen == int(decode_req.req.bootstrap_room or 0)
+
+    def observe(self, decode_req: Any, buffers: Any, value: int) -> int:
+        """One receiver poll: log a newly latched outcome; on the fault rank, hide the
+        room the moment it first appears in the slot (before any gate reads it)."""
+        req = self.rid(decode_req)
+        if self.cur is not None:
+            self.cur["local"].append(value)
+        if req is None:
+            if self.cur is not None:
+                self.cur["entries"].append((None, decode_req, buffers, value, False))
+            return value
+        if value in (SUCCESS, FAILED) and req not in self.latched:
+            self.latched[req] = value
+            if self.log:
+                self.log.env("kv_done" if value == SUCCESS else "fail", req, self.rank)
+        if (self.late_ms != -1.0 and buffers is not None and req not in self.hidden_once
+                and self._room_seen(decode_req, buffers)):
+            self.hidden_once.add(req)
+            self._hide(decode_req, buffers, req)
+        if self.cur is not None:
+            before = buffers is not None and self._room_seen(decode_req, buffers)
+            self.cur["entries"].append((req, decode_req, buffers, value, before))
+        return value
+
+    def after_gate(self, gated: list) -> None:
+        """Log the rooms that landed. The slot is read before the gate (at the poll) and
+        after it: there both times, it landed; absent both times, it did not (whatever
+        the gate did: the replay judges it). Only a room that appeared between the two
+        reads is decided by the gate's verdict, since the gate read it in between."""
+        if self.cur is None or not self.log:
+            return
+        for (req, decode_req, buffers, value, before), g in zip(self.cur["entries"], gated):
+            if req is None or req in self.landed or buffers is None:
+                continue
+            after = self._room_seen(decode_req, buffers)
+            if after and (before or value != SUCCESS or g == SUCCESS):
+                self.landed.add(req)       # one write: the payload first, then the room (A1)
+                self.log.env("land", req, self.rank, field="payload")
+                self.log.env("land", req, self.rank, field="room")
+
+
+class _Poller:
+    """A receiver as the poll function sees it: each poll observed by the rank."""
+
+    def __init__(self, rank: _Rank, real: Any, decode_req: Any, buffers: Any):
+        self.rank, self.real, self.decode_req, self.buffers = rank, real, decode_req, buffers
+
+    def poll(self) -> int:
+        return self.rank.observe(self.decode_req, self.buffers, int(self.real.poll()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def _decision(decode_req: Any, reduced: int) -> tuple[int, int]:
+    """(model.spec.kernel.Decision, first token or 0) of a request that left the queue,
+    read back from SGLang's own abort messages."""
+    if reduced == FAILED:
+        return ABORT_FAILED, 0
+    reason = decode_req.req.finished_reason
+    message = str(getattr(reason, "message", "") or "")
+    if type(reason).__name__ == "FINISH_ABORT":
+        return (ABORT_ROOM_ZERO if "not ready" in message else ABORT_ROOM_MISMATCH), 0
+    return COMMIT, int(decode_req.req.output_ids[-1])
+
+
+def wrap(decode: Any, utils: Any = None) -> None:
+    """Wrap a freshly imported ``sglang.srt.disaggregation.decode`` (sitecustomize) and
+    its ``utils`` module (default: SGLang's)."""
+    utils = utils or importlib.import_module("sglang.srt.disaggregation.utils")
+    if os.environ.get("PDGATE_LIVE_PATCH") == "strict":
+        from impl.sglang.patch import install
+        steps = os.environ.get("PDGATE_LIVE_TIMEOUT_STEPS")
+        install("0.5.23", timeout_steps=int(steps) if steps else None, observer=_Observer())
+    cls = decode.DecodeTransferQueue
+    own_add, own_extend, own_pop = cls.add, cls.extend, cls.pop_transferred
+    own_poll = decode.poll_and_all_reduce
+    own_gate = getattr(utils, "_apply_metadata_gate", None)
+    fake = getattr(utils, "_is_fake_transfer", None)
+
+    def rank_of(queue: Any) -> _Rank:
+        if not hasattr(queue, "_pdgate_live"):
+            queue._pdgate_live = _Rank(queue)
+        return queue._pdgate_live
+
+    def add(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        out = own_add(self, decode_req, *args, **kwargs)
+        rank_of(self).enqueue(decode_req, fake)
+        return out
+
+    def extend(self: Any, decode_reqs: Any, *args: Any, **kwargs: Any) -> Any:
+        decode_reqs = list(decode_reqs)
+        out = own_extend(self, decode_reqs, *args, **kwargs)
+        for decode_req in decode_reqs:
+            rank_of(self).enqueue(decode_req, fake)
+        return out
+
+    def poll_and_all_reduce(pollers: Any, gloo_group: Any, decode_reqs: Any = None,
+                            metadata_buffers: Any = None, *args: Any, **kwargs: Any) -> list:
+        queue = _CURRENT.get("queue")
+        if queue is None or decode_reqs is None:
+            return own_poll(pollers, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
+        rank = rank_of(queue)
+        ours = [_Poller(rank, p, d, metadata_buffers) for p, d in zip(pollers, decode_reqs)]
+        reduced = own_poll(ours, gloo_group, decode_reqs, metadata_buffers, *args, **kwargs)
+        if rank.cur is not None:
+            rank.cur["reduced"] = [int(x) for x in reduced]
+        return reduced
+
+    def gate(polls: list, decode_reqs: Any, metadata_buffers: Any) -> None:
+        own_gate(polls, decode_reqs, metadata_buffers)
+        _note_gated(list(polls))
+
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rank = rank_of(self)
+        if not self.queue or rank.log is None:
+            return own_pop(self, *args, **kwargs)
+        before = list(self.queue)
+        rank.cur = {"queue": [rank.rid(d) for d in before], "local": [], "entries": [],
+                    "gated": None, "reduced": None}
+        _CURRENT["queue"], _CURRENT["rank"] = self, rank
+        try:
+            out = own_pop(self, *args, **kwargs)
+        finally:
+            _CURRENT.clear()
+        cur, rank.cur = rank.cur, None
+        left = {id(d) for d in before} - {id(d) for d in self.queue}
+        reduced = cur["reduced"] or []
+        gated = cur["gated"] if cur["gated"] is not None else cur["local"]
+        ours = [i for i, d in enumerate(before) if rank.rid(d) is not None]
+        if not ours:                 # only health checks queued: no protocol step
+            return out
+        popped = [[rank.rid(before[i]), *_decision(before[i], reduced[i])]
+                  for i in ours if id(before[i]) in left]
+        for req, _, _ in popped:
+            rank.hidden.pop(req, None)
+        rank.log.write({"k": "step", "rec": {
+            "step": rank.step, "queue": [cur["queue"][i] for i in ours],
+            "local": [cur["local"][i] for i in ours], "gated": [gated[i] for i in ours],
+            "reduced": [reduced[i] for i in ours], "popped": popped, "hang": None,
+            "error": None}})
+        rank.step += 1
+        return out
+
+    cls.add, cls.extend, cls.pop_transferred = add, extend, pop_transferred
+    decode.poll_and_all_reduce = poll_and_all_reduce
+    if own_gate is not None and os.environ.get("PDGATE_LIVE_PATCH") != "strict":
+        utils._apply_metadata_gate = gate
+
+
+_CURRENT: dict[str, Any] = {}
+
+
+def _note_gated(gated: list) -> None:
+    rank = _CURRENT.get("rank")
+    if rank is not None and rank.cur is not None:
+        rank.cur["gated"] = [int(x) for x in gated]
+        rank.after_gate(rank.cur["gated"])
+
+
+class _Observer:
+    """What the strict patch's poll hands to the MIN, for the rank's log."""
+
+    @staticmethod
+    def note(gated: list) -> None:
+        _note_gated(gated)
