@@ -12,12 +12,14 @@ With a ``DigestCheck``, a Success that carries the prefill's digest is checked o
 row is here (landed this step, or earlier), before the receiver's state is made
 visible: the request's KV pages in the pool and its row (the visible copy once
 copied, else the landing one, copied right after) must hash to the digest, or the
-receiver gets Failed ("foreign write") in the same step, so the gate never sees that
-Success alone and the MIN aborts the request on every rank. What it cannot see: a
+receiver gets Failed ("foreign write") in the same step, so the gate never sees a
+Success together with a row over wrong bytes, and the MIN aborts the request on every
+rank. What it cannot see: a
 write after the check (before the model reads the pages), and any read.
 """
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +77,7 @@ class DigestCheck:
                               [memoryview(p) for p in pages], len(t.pages),
                               [(n, memoryview(rows.fields[n][t.slot].cpu().contiguous()
                                               .view(torch.uint8).numpy())) for n in self.fields])
-        return got == digest
+        return hmac.compare_digest(got, digest)
 
 
 class Landing:

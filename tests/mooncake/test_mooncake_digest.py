@@ -162,7 +162,7 @@ def test_a_missing_truncated_or_garbage_digest_never_passes(served, digest, drop
     _push(r, [room, b"4", b"0"] + ([] if digest is None else [digest]))
     wait_for(lambda: r.transport.dropped == dropped and (
         dropped or t.receiver.success_at is not None), what="the forged Success handled")
-    wait_for(lambda: r.written(t), what="the real Success and row")
+    wait_for(lambda: r.landing.read_room(t.slot) == t.spec.room, what="the real row")
     wait_for(lambda: (r.lan.observe(1.0), t.receiver.poll())[1] in (SUCCESS, FAILED),
              what="a decision")
     if outcome is None:           # dropped, and the real Success (with its digest) passes
