@@ -136,6 +136,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
     out["broken_connections"] += prefill_stats.get("broken", 0)   # garbage, oversized frames
+    out["prefill_digest_seconds"] = prefill_stats.get("digest_seconds")
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
     out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
                trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,

@@ -20,6 +20,7 @@ write after the check (before the model reads the pages), and any read.
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,7 @@ class Landing:
         self.rank, self.landing, self.visible = rank, landing, visible
         self.digest = digest
         self.foreign_writes = 0         # Successes whose bytes did not match their digest
+        self.digest_seconds = 0.0       # spent checking, in this rank's steps
         self._tracked: dict[int, Tracked] = {}      # request index -> tracked, see ``left``
         self._payload_fields = [n for n in visible.fields if n != ROOM_FIELD]
 
@@ -154,7 +156,11 @@ class Landing:
     def _check(self, t: Tracked) -> None:
         """Check a pending Success's digest against what landed (once)."""
         digest = t.receiver.take_digest() if self.digest is not None else None
-        if digest is not None and not self.digest.matches(
-                t, self.visible if t.landed else self.landing, digest):
+        if digest is None:
+            return
+        t0 = time.perf_counter()
+        ok = self.digest.matches(t, self.visible if t.landed else self.landing, digest)
+        self.digest_seconds += time.perf_counter() - t0
+        if not ok:
             self.foreign_writes += 1
             t.receiver.deliver(FAILED, FOREIGN_WRITE)

@@ -248,6 +248,7 @@ class DecodeRank:
                        "step_starts": self.step_starts, "dropped": self.transport.dropped,
                        "rejected": self.transport.rejected,
                        "foreign_writes": self.landing.foreign_writes,
+                       "digest_seconds": self.landing.digest_seconds,
                        "broken": self.transport.broken.count,
                        "slots": self.a.slots}, fp)
         self.log.fp.close()
