@@ -4,6 +4,7 @@ can see that Success. The exact bytes pass; one flipped byte anywhere, or a miss
 truncated or garbage digest, does not."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -188,6 +189,17 @@ def test_digest_frames_and_negotiation_decode_or_fail_in_one_line():
         fr.decode_hello_ok(b'{"prefill_rank": 0, "session": "h:1", "digest": "crc32"}')
     with pytest.raises(fr.FrameError, match="digest scheme"):
         fr.decode_hello_ok(b'{"prefill_rank": 0, "session": "h:1", "digest": [1]}')
+    hello = fr.Hello(0, "h:1", "tcp://h:2", 4096, 4096, 4,
+                     (fr.FieldLayout("bootstrap_room", 8, 64, 2),), digest=SCHEME)
+    assert fr.decode_hello(hello.encode()[1]) == hello
+    for bad in ("blake2b-256", "", 7, None):
+        body = json.loads(hello.encode()[1])
+        body["digest"] = bad
+        if bad is None:                    # an older rank: no digest asked for
+            assert fr.decode_hello(json.dumps(body).encode()).digest is None
+            continue
+        with pytest.raises(fr.FrameError, match="digest scheme"):
+            fr.decode_hello(json.dumps(body).encode())
 
 
 def test_the_digest_covers_every_byte_once_in_any_chunking():
