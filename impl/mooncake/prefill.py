@@ -4,8 +4,9 @@ For each (request, decode rank) it writes the KV pages with one batched Mooncake
 then the metadata payload fields with a second, then the room on its own once the
 payload write has returned (variants.room_after_payload), and pushes Success only
 after that last write returned, with the digest of what it wrote for that rank
-(impl.mooncake.digest) if the rank asked for one in its HELLO. ``Faults`` bends those rules on purpose for tests and
-the e2e demo (Success before the row: what async NVLink/RDMA visibility does).
+(impl.mooncake.digest) if the rank asked for one in its HELLO. ``Faults`` bends those
+rules on purpose for tests and the e2e demo (Success before the row: what async
+NVLink/RDMA visibility does).
 """
 from __future__ import annotations
 
