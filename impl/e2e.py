@@ -140,7 +140,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         trace_valid, trace_message = False, f"trace not written: {exc}"
     out: dict[str, Any] = dict.fromkeys(KEYS)
     out.update(ranks=cfg.ranks, requests=cfg.requests, disagree=None, dropped_frames=0,
-               rejected_frames=0, broken_connections=0)
+               rejected_frames=0, broken_connections=0, foreign_writes=0)
     if results is not None:
         out.update(figures(results, logs, cfg.requests))
         out.update(timeline(results, logs, prefill_stats.get("landings", [])))
@@ -148,12 +148,14 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
     out["broken_connections"] += prefill_stats.get("broken", 0)   # garbage, oversized frames
+    out["prefill_digest_seconds"] = prefill_stats.get("digest_seconds")
     unexplained = bool(out["aborted"]) and not aborts_explained(cfg)
     out.update(variant=cfg.variant, timeout_steps=cfg.timeout_steps, trace=trace_path,
                trace_partial=partial, trace_valid=trace_valid, trace_message=trace_message,
                work_dir=str(work), error=error, netns=cfg.netns,
                disturbed=bool(out["dropped_frames"] or out["rejected_frames"]
-                              or out["broken_connections"] or unexplained),
+                              or out["broken_connections"] or out["foreign_writes"]
+                              or unexplained),
                unexplained_aborts=unexplained)
     if baseline is not None and results is not None:
         # Same bytes both ways (KV + rows + rooms as written), so the ratio of times.
@@ -213,8 +215,8 @@ _INTERRUPTS = _Interrupts()
 
 def run_ok(out: dict[str, Any]) -> bool:
     """Exit 0: no error, a valid trace, every commit byte-exact, nothing lost or in
-    disagreement, and nothing disturbed the run (frames rejected or dropped, aborts no
-    injected fault explains)."""
+    disagreement, and nothing disturbed the run (frames rejected or dropped, foreign
+    writes found by the digest check, aborts no injected fault explains)."""
     return (out["error"] is None and out["trace_valid"] and bool(out["byte_exact"])
             and out["lost"] == 0 and out["disagree"] == 0 and not out["disturbed"])
 
@@ -331,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if out["error"]:
         print(f"pdgate e2e: {out['error']}", file=sys.stderr)
-    for key in (*KEYS, "dropped_frames", "rejected_frames", "broken_connections", "disturbed",
+    for key in (*KEYS, "dropped_frames", "rejected_frames", "broken_connections",
+                "foreign_writes", "disturbed",
                 "trace_valid"):
         print(f"{key:24s} {out[key]}")
     if not out["trace_valid"]:

@@ -7,7 +7,10 @@ consumes status frames ``[room, status, prefill_rank]`` and heartbeats every pre
 Every frame carries an HMAC tag under this rank's key (impl.mooncake.auth): a frame
 whose tag does not verify is counted in ``rejected`` and dropped before it is parsed;
 an authenticated frame that is malformed or not expected is counted in ``dropped``.
-Nothing is touched before a frame passed every check.
+Nothing is touched before a frame passed every check. With ``digests`` (the default)
+the HELLO asks for the transfer digest (impl.mooncake.digest); a prefill that agrees
+in HELLO_OK must send it on every Success, and a Success without it (or with one not
+agreed) is dropped and the request Failed.
 
 A prefill that cannot be reached fails fast: the handshake waits at most
 ``connect_timeout_s`` for a connection, and for ``retry_s`` after a failed handshake or
@@ -32,6 +35,7 @@ import zmq.utils.monitor
 
 from impl.mooncake import auth
 from impl.mooncake import frames as fr
+from impl.mooncake.digest import SCHEME as DIGEST_SCHEME
 from impl.mooncake.engine import Engine, MooncakeError, Region
 from impl.mooncake.monitor import BrokenConnections
 from impl.mooncake.receiver import FAILED, SUCCESS, MooncakeKVReceiver
@@ -75,6 +79,7 @@ class PrefillLink:
     slowest_rtt: float = 0.0              # decaying maximum of PING -> PONG times
     pings: dict[int, float] = field(default_factory=dict)    # seq -> sent at
     dead_at: float | None = None        # until fenced after fence_grace_s
+    digest: str | None = None           # the digest scheme agreed in HELLO_OK, or None
     died_at: float | None = None        # when it was found dead (kept)
 
 
@@ -96,7 +101,8 @@ class DecodeTransport:
                  room_field: str = "bootstrap_room", host: str = "127.0.0.1",
                  heartbeat_s: float = 0.2, heartbeat_misses: int = 25,
                  fence_grace_s: float = 30.0, connect_timeout_s: float = 1.0,
-                 retry_s: float = 5.0, hello_wait_max_s: float = 10.0, *, key: bytes):
+                 retry_s: float = 5.0, hello_wait_max_s: float = 10.0, digests: bool = True,
+                 *, key: bytes):
         if room_field not in {f.name for f in fields}:
             raise ValueError(f"room field {room_field!r} is not among the metadata fields")
         self.rank, self.engine, self.kv, self.fields = rank, engine, kv, fields
@@ -108,6 +114,7 @@ class DecodeTransport:
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         self.fence_grace_s = fence_grace_s
         self._key = key
+        self.digest_scheme = DIGEST_SCHEME if digests else None
         self._rank_part = fr.encode_rank(rank)
         self.dropped = 0                  # authenticated frames that were malformed/unexpected
         self.rejected = 0                 # frames that failed authentication
@@ -133,7 +140,8 @@ class DecodeTransport:
     def hello(self) -> fr.Hello:
         layout = tuple(fr.FieldLayout(f.name, f.addr, f.item_bytes, f.items) for f in self.fields)
         return fr.Hello(self.rank, self.engine.session_id, self.status_endpoint, self.kv.addr,
-                        self.kv.item_bytes, self.kv.items, layout, self.room_field)
+                        self.kv.item_bytes, self.kv.items, layout, self.room_field,
+                        self.digest_scheme)
 
     def _dealer(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -199,7 +207,9 @@ class DecodeTransport:
         try:
             if len(reply) != 2 or reply[0] != fr.HELLO_OK:
                 raise fr.FrameError(f"refused: {reply[-1][:200]!r}")
-            link.prefill_rank, link.session = fr.decode_hello_ok(reply[1])
+            link.prefill_rank, link.session, link.digest = fr.decode_hello_ok(reply[1])
+            if link.digest != self.digest_scheme and link.digest is not None:
+                raise fr.FrameError(f"digest {link.digest!r} was not asked for")
         except fr.FrameError as exc:
             raise fail(f"handshake: {exc}") from None
         link.last_pong = time.monotonic()
@@ -319,8 +329,12 @@ class DecodeTransport:
             return
         if st.status == fr.STATUS_FENCED:
             entry.receiver.deliver_fence()
+        elif st.status == fr.STATUS_SUCCESS and (st.digest is None) != (entry.link.digest is None):
+            self._drop(f"Success for room {st.room} {'without' if st.digest is None else 'with'} "
+                       f"a digest, {entry.link.digest or 'none'} agreed")
+            entry.receiver.deliver(FAILED, "Success without the agreed digest")
         elif st.status == fr.STATUS_SUCCESS:
-            entry.receiver.deliver(SUCCESS, at=time.monotonic())
+            entry.receiver.deliver(SUCCESS, at=time.monotonic(), digest=st.digest)
         else:
             entry.receiver.deliver(FAILED, "prefill reported Failed")
 

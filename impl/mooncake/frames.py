@@ -9,14 +9,18 @@ ZMQ's MAXMSGSIZE on every socket (a bigger frame drops the connection) and the c
 here.
 
 decode -> prefill (ZMQ DEALER -> ROUTER), multipart ``[kind, rank, body, tag]``:
-  HELLO  JSON: rank, session, status endpoint, KV pool and metadata field layout
+  HELLO  JSON: rank, session, status endpoint, KV pool and metadata field layout,
+         and optionally ``digest``: the transfer digest scheme it asks for
   XFER   ``<QHII`` room, rank, slot, n_pages + n_pages x ``<I`` page index
   ABORT  ``<QH`` room, rank
   PING   ``<HQ`` rank, sequence number
-prefill -> decode replies ``[kind, body, tag]``: HELLO_OK (JSON: prefill_rank, session),
-ERROR (text), PONG.
+prefill -> decode replies ``[kind, body, tag]``: HELLO_OK (JSON: prefill_rank, session,
+and ``digest`` if it will send them), ERROR (text), PONG.
 prefill -> decode status (PUSH -> PULL), SGLang's three ASCII parts and the tag
-``[room, status, prefill_rank, tag]`` with status Failed=0, Success=4 or FENCED=5.
+``[room, status, prefill_rank, tag]`` with status Failed=0, Success=4 or FENCED=5; a
+Success to a rank that negotiated a digest is ``[room, 4, prefill_rank, digest, tag]``
+(impl.mooncake.digest: 32 bytes over the KV pages and metadata row it wrote). Peers
+that do not ask for digests (no ``digest`` in HELLO) see the three-part frames.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import json
 import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from impl.mooncake.digest import DIGEST_BYTES, SCHEME as DIGEST_SCHEME
 
 HELLO, HELLO_OK, XFER, ABORT, PING, PONG, ERROR = (
     b"HELLO", b"HELLO_OK", b"XFER", b"ABORT", b"PING", b"PONG", b"ERROR")
@@ -97,11 +103,14 @@ class Hello:
     pages: int
     fields: tuple[FieldLayout, ...]
     room_field: str = "bootstrap_room"
+    digest: str | None = None       # the digest scheme this rank asks for (None: none)
 
     def encode(self) -> list[bytes]:
         body = {"rank": self.rank, "session": self.session, "status": self.status_endpoint,
                 "kv": [self.kv_addr, self.page_bytes, self.pages], "room_field": self.room_field,
                 "fields": [[f.name, f.addr, f.item_bytes, f.slots] for f in self.fields]}
+        if self.digest is not None:
+            body["digest"] = self.digest
         return [HELLO, json.dumps(body).encode()]
 
     @property
@@ -119,6 +128,14 @@ def _json(body: bytes, what: str) -> dict:
     if not isinstance(obj, dict):
         raise FrameError(f"{what}: body must be a JSON object")
     return obj
+
+
+def _digest_scheme(obj: dict, what: str) -> str | None:
+    """The optional ``digest`` entry: absent, or a scheme this build knows."""
+    scheme = obj.get("digest")
+    if scheme is not None and scheme != DIGEST_SCHEME:
+        raise FrameError(f"{what}: digest scheme {str(scheme)[:40]!r} is not {DIGEST_SCHEME!r}")
+    return scheme
 
 
 def decode_hello(body: bytes) -> Hello:
@@ -143,7 +160,8 @@ def decode_hello(body: bytes) -> Hello:
                   _str(obj.get("status"), "HELLO status endpoint"),
                   _int(kv[0], "kv addr", 1, _U64), _int(kv[1], "kv page_bytes", 1, 1 << 30),
                   _int(kv[2], "kv pages", 1, 1 << 24), tuple(fields),
-                  _str(obj.get("room_field"), "HELLO room_field", 64))
+                  _str(obj.get("room_field"), "HELLO room_field", 64),
+                  _digest_scheme(obj, "HELLO"))
     if hello.room_field not in {f.name for f in fields}:
         raise FrameError(f"HELLO: room field {hello.room_field!r} is not among the fields")
     if not hello.status_endpoint.startswith("tcp://"):
@@ -151,14 +169,18 @@ def decode_hello(body: bytes) -> Hello:
     return hello
 
 
-def encode_hello_ok(prefill_rank: int, session: str) -> list[bytes]:
-    return [HELLO_OK, json.dumps({"prefill_rank": prefill_rank, "session": session}).encode()]
+def encode_hello_ok(prefill_rank: int, session: str, digest: str | None = None) -> list[bytes]:
+    body: dict[str, Any] = {"prefill_rank": prefill_rank, "session": session}
+    if digest is not None:
+        body["digest"] = digest
+    return [HELLO_OK, json.dumps(body).encode()]
 
 
-def decode_hello_ok(body: bytes) -> tuple[int, str]:
+def decode_hello_ok(body: bytes) -> tuple[int, str, str | None]:
+    """(prefill_rank, session, digest scheme the prefill will send or None)."""
     obj = _json(body, "HELLO_OK")
     return (_int(obj.get("prefill_rank"), "HELLO_OK prefill_rank", 0, MAX_RANKS - 1),
-            _str(obj.get("session"), "HELLO_OK session"))
+            _str(obj.get("session"), "HELLO_OK session"), _digest_scheme(obj, "HELLO_OK"))
 
 
 # -- XFER / ABORT / PING ----------------------------------------------------------
@@ -207,16 +229,18 @@ def decode_ping(body: bytes) -> tuple[int, int]:
     return _PING.unpack(body)
 
 
-# -- status: [room, status, prefill_rank] -----------------------------------------
+# -- status: [room, status, prefill_rank(, digest)] -------------------------------
 @dataclass(frozen=True)
 class Status:
     room: int
     status: int
     prefill_rank: int
+    digest: bytes | None = None      # Success only, to a rank that negotiated one
 
     def encode(self) -> list[bytes]:
-        return [str(self.room).encode("ascii"), str(self.status).encode("ascii"),
-                str(self.prefill_rank).encode("ascii")]
+        parts = [str(self.room).encode("ascii"), str(self.status).encode("ascii"),
+                 str(self.prefill_rank).encode("ascii")]
+        return parts if self.digest is None else [*parts, self.digest]
 
 
 def _ascii_int(part: bytes, what: str, lo: int, hi: int) -> int:
@@ -227,9 +251,14 @@ def _ascii_int(part: bytes, what: str, lo: int, hi: int) -> int:
 
 
 def decode_status(frames: Sequence[bytes]) -> Status:
-    room_b, status_b, rank_b = _parts(frames, 3, "status")
+    """Three parts, or four for a Success carrying its digest (exactly DIGEST_BYTES)."""
+    room_b, status_b, rank_b, *rest = _parts(frames, 4 if len(frames) == 4 else 3, "status")
     status = _ascii_int(status_b, "status", 0, 9)
     if status not in STATUS_VALUES:
         raise FrameError(f"status: value {status} is not Failed(0), Success(4) or FENCED(5)")
+    digest = bytes(rest[0]) if rest else None
+    if digest is not None and (status != STATUS_SUCCESS or len(digest) != DIGEST_BYTES):
+        raise FrameError(f"status: a digest must be {DIGEST_BYTES} bytes on a Success, got "
+                         f"{len(digest)} bytes on status {status}")
     return Status(_ascii_int(room_b, "room", 1, _U64), status,
-                  _ascii_int(rank_b, "prefill_rank", 0, MAX_RANKS - 1))
+                  _ascii_int(rank_b, "prefill_rank", 0, MAX_RANKS - 1), digest)

@@ -7,15 +7,28 @@ from landing to visible (payload fields first, the room last). So each step sees
 snapshot, and the environment events it returns (kv_done, fail, land, fence) are
 exactly what that step saw, in order: the trace of a real run replays in the spec.
 A deployment without tracing can register the queue's buffers directly instead.
+
+With a ``DigestCheck``, a Success that carries the prefill's digest is checked once its
+row is here (landed this step, or earlier), before the receiver's state is made
+visible: the request's KV pages in the pool and its row (the visible copy once
+copied, else the landing one, copied right after) must hash to the digest, or the
+receiver gets Failed ("foreign write") in the same step, so the gate never sees a
+Success together with a row over wrong bytes, and the MIN aborts the request on every
+rank. What it cannot see: a
+write after the check (before the model reads the pages), and any read.
 """
 from __future__ import annotations
 
+import hmac
+import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from impl.decode import MetadataBuffers
-from impl.mooncake.receiver import MooncakeKVReceiver
+from impl.mooncake.digest import transfer_digest
+from impl.mooncake.receiver import FAILED, MooncakeKVReceiver
 from impl.mooncake.synth import ROOM_FIELD, RequestSpec
 from model.spec.events import PAYLOAD, ROOM, Event, Fail, Fence, KvDone, Land
 
@@ -43,11 +56,40 @@ class Tracked:
         return max(times) if times else None
 
 
+FOREIGN_WRITE = "foreign write: the KV pages or metadata row differ from what the prefill wrote"
+
+
+@dataclass(frozen=True)
+class DigestCheck:
+    """What a rank hashes: its KV pool (pages x page bytes, uint8) and the metadata
+    fields in its HELLO order, under its digest key."""
+    key: bytes
+    pool: torch.Tensor
+    fields: tuple[str, ...]
+
+    def matches(self, t: Tracked, rows: MetadataBuffers, digest: bytes) -> bool:
+        if self.pool.is_cuda:       # one gather and one copy to the host
+            idx = torch.tensor(t.pages, dtype=torch.long, device=self.pool.device)
+            pages = list(self.pool.index_select(0, idx).cpu().numpy())
+        else:                       # views, no copy (and no torch op: its thread pool
+            host = self.pool.numpy()    # stalled whole steps on the loaded box)
+            pages = [host[p] for p in t.pages]
+        got = transfer_digest(self.key, t.spec.room, self.pool.shape[1],
+                              [memoryview(p) for p in pages], len(t.pages),
+                              [(n, memoryview(rows.fields[n][t.slot].cpu().contiguous()
+                                              .view(torch.uint8).numpy())) for n in self.fields])
+        return hmac.compare_digest(got, digest)
+
+
 class Landing:
-    def __init__(self, rank: int, landing: MetadataBuffers, visible: MetadataBuffers):
+    def __init__(self, rank: int, landing: MetadataBuffers, visible: MetadataBuffers,
+                 digest: DigestCheck | None = None):
         if landing.size != visible.size:
             raise ValueError("landing and visible metadata buffers differ in size")
         self.rank, self.landing, self.visible = rank, landing, visible
+        self.digest = digest
+        self.foreign_writes = 0         # Successes whose bytes did not match their digest
+        self.digest_seconds = 0.0       # spent checking, in this rank's steps
         self._tracked: dict[int, Tracked] = {}      # request index -> tracked, see ``left``
         self._payload_fields = [n for n in visible.fields if n != ROOM_FIELD]
 
@@ -89,13 +131,16 @@ class Landing:
         rooms = self.landing.room_column.cpu().numpy().view(np.uint64)
         for t in list(self._tracked.values()):
             r, idx = self.rank, t.spec.index
+            row_here = t.landed or not t.done and int(rooms[t.slot]) == t.spec.room
+            if row_here and not t.left:
+                self._check(t)
             seen = t.receiver.observe()
             if not t.left:                   # after leaving, the spec has no receiver
                 if seen.kv_done:
                     events.append(KvDone(r, idx))
                 elif seen.failed:
                     events.append(Fail(r, idx))
-            if not t.done and int(rooms[t.slot]) == t.spec.room:
+            if row_here and not t.landed:
                 # The room is written only after the payload write returned, so the
                 # payload is complete: copy the row, room last.
                 self._copy_row(t.slot)
@@ -107,3 +152,15 @@ class Landing:
                 t.receiver.mark_fence_taken()
                 events.append(Fence(r, idx))
         return events
+
+    def _check(self, t: Tracked) -> None:
+        """Check a pending Success's digest against what landed (once)."""
+        digest = t.receiver.take_digest() if self.digest is not None else None
+        if digest is None:
+            return
+        t0 = time.perf_counter()
+        ok = self.digest.matches(t, self.visible if t.landed else self.landing, digest)
+        self.digest_seconds += time.perf_counter() - t0
+        if not ok:
+            self.foreign_writes += 1
+            t.receiver.deliver(FAILED, FOREIGN_WRITE)

@@ -3,8 +3,10 @@
 For each (request, decode rank) it writes the KV pages with one batched Mooncake write,
 then the metadata payload fields with a second, then the room on its own once the
 payload write has returned (variants.room_after_payload), and pushes Success only
-after that last write returned. ``Faults`` bends those rules on purpose for tests and
-the e2e demo (Success before the row: what async NVLink/RDMA visibility does).
+after that last write returned, with the digest of what it wrote for that rank
+(impl.mooncake.digest) if the rank asked for one in its HELLO. ``Faults`` bends those
+rules on purpose for tests and the e2e demo (Success before the row: what async
+NVLink/RDMA visibility does).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import zmq
 
 from impl.mooncake import auth
 from impl.mooncake import frames as fr
+from impl.mooncake.digest import digest_key, transfer_digest
 from impl.mooncake.engine import Engine, MooncakeError, Write
 from impl.mooncake.monitor import BrokenConnections
 from impl.mooncake.synth import ROOM_FIELD, RequestSpec, kv_bytes, metadata_row
@@ -85,6 +88,8 @@ class PrefillServer:
         self.specs = {s.room: s for s in specs}
         # Rank r's key, derived once: every frame from or to rank r is tagged with it.
         self._keys = [auth.rank_key(secret, r) for r in range(ranks)]
+        self._digest_keys = [digest_key(k) for k in self._keys]
+        self.digest_seconds = 0.0         # hashing what was written, for Success frames
         self.dropped = 0                  # authenticated, but malformed or not allowed
         self.rejected = 0                 # failed authentication (or claimed no rank)
         self.kv_bytes_written = 0
@@ -214,7 +219,8 @@ class PrefillServer:
                 self._reply(ident, sender, [fr.ERROR, str(exc).encode()[:500]])
                 raise
             self._identity_rank[ident] = rank
-            self._reply(ident, rank, fr.encode_hello_ok(self.prefill_rank, self.engine.session_id))
+            self._reply(ident, rank, fr.encode_hello_ok(self.prefill_rank, self.engine.session_id,
+                                                        hello.digest))
         elif kind == fr.XFER:
             x = fr.decode_xfer(body)
             same_rank(x.rank)
@@ -323,11 +329,29 @@ class PrefillServer:
         if idle:            # not being written now: no write of it is or will be in flight
             self._send_status(rank, room, fr.STATUS_FENCED)
 
-    def _send_status(self, rank: int, room: int, status: int) -> None:
+    def _send_status(self, rank: int, room: int, status: int, digest: bytes | None = None) -> None:
         with self._push_lock:
             self._ranks[rank].push.send_multipart(auth.seal(
                 self._keys[rank], auth.Channel(auth.STATUS, rank),
-                fr.Status(room, status, self.prefill_rank).encode()))
+                fr.Status(room, status, self.prefill_rank, digest).encode()))
+
+    def digest(self, job: _Job) -> bytes:
+        """The digest of the exact source bytes ``job`` writes (KV pages, then its row in
+        every field of the rank's HELLO): what the rank must find in its buffers."""
+        t0 = time.perf_counter()
+        hello, n = self._ranks[job.rank].hello, job.spec.n_pages * self.page_bytes
+        off, row = self._src_at[(job.spec.room, job.rank)], self._row_of[job.spec.room]
+        out = transfer_digest(self._digest_keys[job.rank], job.spec.room, self.page_bytes,
+                              [memoryview(self._src[off:off + n])], job.spec.n_pages,
+                              [(f.name, memoryview(self._meta[f.name][row])) for f in hello.fields])
+        with self._lock:
+            self.digest_seconds += time.perf_counter() - t0
+        return out
+
+    def _send_success(self, job: _Job) -> None:
+        wants = self._ranks[job.rank].hello.digest is not None
+        self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS,
+                          self.digest(job) if wants else None)
 
     # -- the writes ----------------------------------------------------------------------
     def kv_writes(self, job: _Job) -> list[Write]:
@@ -394,10 +418,10 @@ class PrefillServer:
                 time.sleep(f.stall_s)
             if job.rank in f.drop_metadata:
                 job.stage = "done"
-                self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
+                self._send_success(job)
                 return
             if delay:
-                self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
+                self._send_success(job)
                 timer = threading.Timer(delay, self._work.put, args=(job,))
                 timer.daemon = True
                 timer.start()
@@ -411,7 +435,7 @@ class PrefillServer:
         self._landed(job, 1)
         job.stage = "done"
         if not delay:
-            self._send_status(job.rank, job.spec.room, fr.STATUS_SUCCESS)
+            self._send_success(job)
 
     # -- the benchmark baseline and shutdown ----------------------------------------------
     def raw_baseline(self) -> tuple[int, float, float]:

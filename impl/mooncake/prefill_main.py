@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = {"kv_bytes": server.kv_bytes_written, "dropped": server.dropped,
                            "rejected": server.rejected,
                            "broken": server.broken.count, "idle": server.idle(), "write_seconds": server.write_seconds,
+                           "digest_seconds": server.digest_seconds,
                            "write_span_seconds": max(0.0, server.last_write - server.first_write),
                            "landings": server.landings()}
                 elif cmd == "baseline" and args.allow_baseline:

@@ -33,7 +33,8 @@ from impl.mooncake.auth import receive_key
 from impl.mooncake.decode import BufferSpec, DecodeTransport
 from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.engine import Engine
-from impl.mooncake.landing import Landing, Tracked
+from impl.mooncake.digest import digest_key
+from impl.mooncake.landing import DigestCheck, Landing, Tracked
 from impl.mooncake.stdio import StdinLines
 from impl.mooncake.synth import RequestSpec, kv_page, make_requests, metadata_row
 from model.cli import number
@@ -90,7 +91,8 @@ class DecodeRank:
                                              steps_for(a.gate_timeout_s, a.step_ms / 1000)
                                              if a.variant == "strict" else None),
                                          collective_timeout_s=a.collective_timeout_s, tracer=self.log)
-        self.landing = Landing(self.rank, self.landing_bufs, self.visible)
+        self.landing = Landing(self.rank, self.landing_bufs, self.visible,
+                               DigestCheck(digest_key(key), self.pool, tuple(info.names)))
         self.free_pages: deque[int] = deque(range(a.pages))
         self.backlog: deque[tuple[RequestSpec, str]] = deque()
         self.outstanding = 0            # served requests not yet popped
@@ -245,6 +247,8 @@ class DecodeRank:
             json.dump({"rank": self.rank, "steps": self.queue.steps, "results": self.results,
                        "step_starts": self.step_starts, "dropped": self.transport.dropped,
                        "rejected": self.transport.rejected,
+                       "foreign_writes": self.landing.foreign_writes,
+                       "digest_seconds": self.landing.digest_seconds,
                        "broken": self.transport.broken.count,
                        "slots": self.a.slots}, fp)
         self.log.fp.close()

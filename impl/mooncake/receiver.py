@@ -13,6 +13,10 @@ status and heartbeat threads ``deliver`` into a pending state, and the rank's ow
 thread calls ``observe()`` once per step, which makes the pending state visible and
 returns what changed (the environment events a trace records). ``poll()`` returns
 only the visible state, so a step's poll never races the status thread.
+
+A Success may carry the prefill's digest of what it wrote (impl.mooncake.digest); the
+rank's thread takes it once (``take_digest``) to check the landed bytes before the
+gate can see them, and a mismatch is delivered as Failed like any other.
 """
 from __future__ import annotations
 
@@ -62,9 +66,11 @@ class MooncakeKVReceiver:
         self._fence_taken = False
         self._left = False                     # clear()ed: the request left the queue
         self.success_at: float | None = None   # monotonic time the Success status arrived
+        self._digest: bytes | None = None      # the pending Success's digest, until taken
 
     # -- called by the transport (any thread) --------------------------------------
-    def deliver(self, state: int, reason: str | None = None, at: float | None = None) -> bool:
+    def deliver(self, state: int, reason: str | None = None, at: float | None = None,
+                digest: bytes | None = None) -> bool:
         """Advance the pending state; returns False if it was ignored (latched, backwards,
         or a Failed for a request that already left the queue)."""
         with self._lock:
@@ -77,8 +83,15 @@ class MooncakeKVReceiver:
                 return False
             self._pending = state
             if state == SUCCESS:
-                self.success_at = at
+                self.success_at, self._digest = at, digest
             return True
+
+    def take_digest(self) -> bytes | None:
+        """The digest of a pending Success, once (None: no Success, none sent, or taken)."""
+        with self._lock:
+            digest = self._digest if self._pending == SUCCESS and not self._left else None
+            self._digest = None if digest is not None else self._digest
+            return digest
 
     def enter_queue(self) -> None:
         """The request enters the transfer queue (its XFER sent, or its failure pending):

@@ -170,6 +170,8 @@ def figures(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
         "steps": results[0]["steps"] if results else 0,
         "dropped_frames": sum(r["dropped"] for r in results),
         "rejected_frames": sum(r.get("rejected", 0) for r in results),
+        "foreign_writes": sum(r.get("foreign_writes", 0) for r in results),
+        "rank_digest_seconds": round(sum(r.get("digest_seconds", 0.0) for r in results), 4),
         "broken_connections": sum(r.get("broken", 0) for r in results),
         "abort_reasons": _reasons(results),
     }

@@ -24,7 +24,7 @@ def test_round_trips():
     assert fr.decode_ping(fr.encode_ping(1, 42)[1]) == (1, 42)
     st = fr.Status(2**64 - 1, fr.STATUS_SUCCESS, 0)
     assert fr.decode_status(st.encode()) == st
-    assert fr.decode_hello_ok(fr.encode_hello_ok(0, "h:1")[1]) == (0, "h:1")
+    assert fr.decode_hello_ok(fr.encode_hello_ok(0, "h:1")[1]) == (0, "h:1", None)
 
 
 @pytest.mark.parametrize("body", [
