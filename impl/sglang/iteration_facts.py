@@ -52,14 +52,20 @@ def _prealloc_skip(fn: ast.FunctionDef) -> Skip:
     return Skip.ALL_READY_NO_LOCAL_FAIL if any("Failed" in t for t in ready) else Skip.ALL_READY
 
 
-def _veto(fn: ast.FunctionDef) -> bool:
-    """A ``continue`` under a test on host staging or a pending HiCache restore."""
+def _veto(fn: ast.FunctionDef, exits: tuple[type, ...], markers: tuple[str, ...]) -> bool:
+    """A rank-local exit (one of ``exits``: ``continue``, ``break``) from the loop under a
+    test naming one of ``markers``."""
     for node in ast.walk(fn):
-        if isinstance(node, ast.If) and any(isinstance(b, ast.Continue) for b in node.body):
+        if isinstance(node, ast.If) and any(isinstance(b, exits) for b in node.body):
             test = _text(node.test)
-            if "allocate_host_staged" in test or "HiCacheRestoreResult.PENDING" in test:
+            if any(m in test for m in markers):
                 return True
     return False
+
+
+# decode: host staging or a pending HiCache restore; prefill: no free metadata buffer
+_TRANSFER_VETO = ((ast.Continue,), ("allocate_host_staged", "HiCacheRestoreResult.PENDING"))
+_BUFFER_VETO = ((ast.Continue, ast.Break), ("ensure_metadata_buffer", "available_size() == 0"))
 
 
 def mechanisms_of(source: str) -> Mechanisms:
@@ -70,7 +76,7 @@ def mechanisms_of(source: str) -> Mechanisms:
         resolve=Op.MIN if _collective(fns.get("_resolve_pending_reqs")) else Op.LOCAL,
         prealloc_skip=_prealloc_skip(fns["_update_handshake_waiters"]),
         admission=Op.MIN if _collective(fns.get("pop_preallocated")) else Op.LOCAL,
-        transfer_veto=_veto(fns["pop_transferred"]),
+        transfer_veto=_veto(fns["pop_transferred"], *_TRANSFER_VETO),
         checksum=None if checksum is None else (Op.MAX if "ReduceOp.MAX" in _text(checksum) else Op.LOCAL))
 
 
@@ -113,20 +119,10 @@ def _empty_return(fn: ast.FunctionDef) -> Skip:
     return Skip.NEVER
 
 
-def _buffer_veto(fn: ast.FunctionDef) -> bool:
-    """A ``continue`` or ``break`` under a test on the metadata buffer."""
-    for node in ast.walk(fn):
-        if isinstance(node, ast.If) and any(isinstance(b, (ast.Continue, ast.Break)) for b in node.body):
-            test = _text(node.test)
-            if "ensure_metadata_buffer" in test or "available_size() == 0" in test:
-                return True
-    return False
-
-
 def prefill_mechanisms_of(source: str) -> PrefillMechanisms:
     fns = _functions(ast.parse(source))
     boot = fns["pop_bootstrapped"]
-    return PrefillMechanisms(_empty_return(boot), _buffer_veto(boot),
+    return PrefillMechanisms(_empty_return(boot), _veto(boot, *_BUFFER_VETO),
                              _empty_return(fns["process_disagg_prefill_inflight_queue"]))
 
 
