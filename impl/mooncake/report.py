@@ -120,7 +120,8 @@ def gate_holds(logs: list[list[dict[str, Any]]]) -> int:
                for lo, ga in zip(rec["rec"]["local"], rec["rec"]["gated"]) if lo == 4 and ga == 3)
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile of ``values`` in ms, rounded to the microsecond (None when empty)."""
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
@@ -163,7 +164,7 @@ def figures(results: list[dict[str, Any]], logs: list[list[dict[str, Any]]],
         "ranks": ranks, "requests": served, "committed": committed, "aborted": aborted,
         "lost": served - committed - aborted - disagree, "disagree": disagree,
         "byte_exact": bool(exact and committed > 0), "gate_holds": gate_holds(logs),
-        "commit_latency_p50_ms": _pct(lat_ms, 50), "commit_latency_p99_ms": _pct(lat_ms, 99),
+        "commit_latency_p50_ms": percentile(lat_ms, 50), "commit_latency_p99_ms": percentile(lat_ms, 99),
         "commit_latency_max_steps": max(lat_steps) if lat_steps else None,
         "kv_bytes": total_bytes, "seconds": round(seconds, 4),
         "mb_per_s": round(total_bytes / seconds / 1e6, 2),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from impl.mooncake.report import percentile
 
 QUANTILES = (50, 90, 99)
 
@@ -22,8 +22,7 @@ def _ms(t: float | None, t0: float) -> float | None:
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
     """p50/p90/p99 of ``values`` (None when empty)."""
-    return {f"p{q}": (round(float(np.percentile(values, q)), 3) if values else None)
-            for q in QUANTILES}
+    return {f"p{q}": percentile(values, q) for q in QUANTILES}
 
 
 def requests(results: list[dict[str, Any]], landings: list[list[Any]]) -> tuple[float, list[dict[str, Any]]]:
