@@ -27,16 +27,13 @@ import torch
 import torch.distributed as dist
 
 from impl.sglang import fakes, stubs
+from impl.sglang.reasons import decision_of
 from impl.sglang.wheels import open_wheel
 from model.spec.events import ROOM, Enqueue, Event, Fail, Fence, KvDone, Land
 from model.spec.kernel import Decision
 from model.spec.variants import Variant
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
-# finished_reason messages, stable over 0.5.12..0.5.23 -> the spec's decision
-_REASONS = (("Decode transfer failed", Decision.ABORT_FAILED),
-            ("not ready after readiness gate", Decision.ABORT_ROOM_ZERO),
-            ("corruption", Decision.ABORT_ROOM_MISMATCH))
 
 
 class RefusedEvent(RuntimeError):
@@ -279,7 +276,7 @@ class SGLangRank:
         if id(req) in committed:
             return [int(req.rid), int(Decision.COMMIT), int(req.output_ids[-1])]
         message = getattr(req.finished_reason, "message", None) or str(req.finished_reason)
-        for text, decision in _REASONS:
-            if text in message:
-                return [int(req.rid), int(decision), 0]
+        decision = decision_of(message)
+        if decision is not None:
+            return [int(req.rid), int(decision), 0]
         raise UnknownAbort(f"request {req.rid} left with an unknown reason: {message!r}")

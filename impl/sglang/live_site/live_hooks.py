@@ -27,8 +27,11 @@ import threading
 import time
 from typing import Any
 
-SUCCESS, FAILED = 4, 0
-COMMIT, ABORT_FAILED, ABORT_ROOM_ZERO, ABORT_ROOM_MISMATCH = 1, 2, 3, 4   # spec Decision
+from impl.sglang.reasons import decision_of
+from model.spec.kernel import Decision
+from model.spec.kvpoll import KVPoll
+
+SUCCESS, FAILED = int(KVPoll.Success), int(KVPoll.Failed)
 
 
 def _late_room() -> tuple[int, float | None] | None:
@@ -161,12 +164,13 @@ def _decision(decode_req: Any, reduced: int) -> tuple[int, int]:
     """(model.spec.kernel.Decision, first token or 0) of a request that left the queue,
     read back from SGLang's own abort messages."""
     if reduced == FAILED:
-        return ABORT_FAILED, 0
+        return int(Decision.ABORT_FAILED), 0
     reason = decode_req.req.finished_reason
     message = str(getattr(reason, "message", "") or "")
     if type(reason).__name__ == "FINISH_ABORT":
-        return (ABORT_ROOM_ZERO if "not ready" in message else ABORT_ROOM_MISMATCH), 0
-    return COMMIT, int(decode_req.req.output_ids[-1])
+        # the release's own messages; one none of them names is still an abort (after MIN)
+        return int(decision_of(message) or Decision.ABORT_ROOM_MISMATCH), 0
+    return int(Decision.COMMIT), int(decode_req.req.output_ids[-1])
 
 
 def wrap(decode: Any, utils: Any = None) -> None:
