@@ -115,7 +115,9 @@ class Unbounded:
             issued = lambda k: issues(p, z3.BoolVal(False), Z3OPS)
         contrib = memo(lambda k, r: contribution(p, issued(k), st(k, r), val(p.input, k, r),
                                                  val(p.gate, k, r), Z3OPS))
-        if p.op in (Op.MIN, Op.MAX):
+        if p.op in (Op.MIN, Op.MAX) and not p.moves and p.veto is None:
+            reduced = lambda k, r: p.neutral            # nothing reads the value (a drain)
+        elif p.op in (Op.MIN, Op.MAX):
             red = self.reduction(p.name, p.op, contrib)
             reduced = lambda k, r: red(r)
         elif p.op is Op.LOCAL:
@@ -209,23 +211,31 @@ def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
 
 def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, Sequence[Sequence[int]]],
             want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000) -> Query:
-    """The unbounded encoding, read over exactly these ranks and requests with this
-    state and these inputs, allows nothing but ``want`` (per point: the spec's stages
-    after it and who issued it)? unsat = it agrees with the spec here."""
+    """The unbounded encoding, read over exactly these ranks and requests with these
+    inputs, allows nothing but ``want`` (per point: the spec's stages after it and who
+    issued it)? unsat = it agrees with the spec here. One query per point, from the
+    spec's stages before it: each point's query stays small however long the
+    iteration, and together they are the whole iteration's (each starts where the
+    previous one was shown to end)."""
     ranks, reqs = len(stages), len(stages[0])
-    u = Unbounded((ranks, reqs))
-    st, inp = u.stage_fn("0"), u.inputs(v, "0")
-    ks, rs = u.ranks, u.reqs
-    fixed = [st(ks[k], rs[r]) == stages[k][r] for k in range(ranks) for r in range(reqs)]
-    fixed += [f(ks[k], rs[r]) == inputs[name][k][r] for name, f in inp.items()
-              for k in range(ranks) for r in range(reqs)]
-    differs = []
-    for (p, _, after, issued), (stages_after, issued_want) in zip(u.iteration(v, st, inp), want):
-        differs += [after(ks[k], rs[r]) != stages_after[k][r] for k in range(ranks) for r in range(reqs)]
+    before: Sequence[Sequence[int]] = stages
+    for p, (stages_after, issued_want) in zip(v.points, want):
+        u = Unbounded((ranks, reqs))
+        st, inp = u.stage_fn("0"), u.inputs(v, "0")
+        ks, rs = u.ranks, u.reqs
+        fixed = [st(ks[k], rs[r]) == before[k][r] for k in range(ranks) for r in range(reqs)]
+        fixed += [f(ks[k], rs[r]) == inputs[name][k][r] for name, f in inp.items()
+                  for k in range(ranks) for r in range(reqs)]
+        ((_, _, after, issued),) = u.iteration(v, st, inp, [p])
+        differs = [after(ks[k], rs[r]) != stages_after[k][r] for k in range(ranks) for r in range(reqs)]
         differs += [issued(ks[k]) != z3.BoolVal(bool(issued_want[k])) for k in range(ranks)]
-    s = Solver(timeout_ms)
-    s.add(*u.axioms, *fixed, z3.Or(differs))
-    return Query("refines", s.check())
+        s = Solver(timeout_ms)
+        s.add(*u.axioms, *fixed, z3.Or(differs))
+        res = s.check()
+        if res.status != "unsat":
+            return Query(f"refines[{p.name}]", res)
+        before = stages_after
+    return Query("refines", res)
 
 
 # -- bounded: the spec's apply_point on Z3 constants ------------------------------------

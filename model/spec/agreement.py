@@ -35,6 +35,9 @@ class Stage(IntEnum):
     PREBUILT = 5     # transferred, in the next prebuilt batch (checksum not verified)
     RUNNING = 6      # in the running batch
     GONE = 7         # finished, aborted or dropped
+    FAILED = 8       # the transfer MIN said Failed; whether this rank holds its slot comes next
+    HELD = 9         # failed, its KV slot held for deferred release (#35049)
+    HELD_HOST = 10   # failed, held, host-staged destination (0.5.21: released only by a MIN)
 
 
 STAGES = frozenset(int(s) for s in Stage)
@@ -55,6 +58,7 @@ class Skip(Enum):
     EMPTY = "empty"                     # not when this rank holds no member
     ALL_READY = "all-ready"             # nor when every member is READY (0.5.12)
     ALL_READY_NO_LOCAL_FAIL = "all-ready-no-local-fail"   # ... and none polls Failed here (0.5.13-0.5.19)
+    LOCAL_FLAG = "local-flag"           # only where a member's local value is 1 here (a rank-local test)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ def triggers(p: Point, stage: Any, local: Any, ops: Ops) -> Any:
     member = is_member(p, stage, ops)
     if p.skip is Skip.ALL_READY:
         return ops.and_(member, ops.not_(ops.eq(stage, int(Stage.READY))))
+    if p.skip is Skip.LOCAL_FLAG:
+        return ops.and_(member, ops.eq(local, 1))
     if p.skip is Skip.ALL_READY_NO_LOCAL_FAIL:
         return ops.and_(member, any_of(ops, ops.not_(ops.eq(stage, int(Stage.READY))),
                                        ops.eq(local, 0)))

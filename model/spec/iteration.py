@@ -20,7 +20,7 @@ iteration").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Callable, Mapping, Sequence
 
@@ -43,6 +43,10 @@ INPUTS: dict[str, tuple[int, ...]] = {
     "unresolved": (0, 1),    # strict's gate: this rank has not resolved the dp rank yet
     "bootstrap": (0, 1, 2),  # prefill: this rank's sender: Failed, Bootstrapping, WaitingForInput
     "no_buffer": (0, 1),     # prefill: this rank has no free metadata buffer
+    "hold": (0, 1, 2),       # a failed transfer on this rank: release now, hold (prefill notified),
+                             # hold a host-staged destination (awaits its drain ack)
+    "drained": (0, 1),       # this rank may release a held slot (drain ack, or its deadline passed)
+    "retract": (0, 1),       # this rank's check_decode_mem fails: it retracts (drains offloads first)
 }
 ITERATION_NAMES = ("collectives_agree", "no_local_decision_after_min", "stages_agree")
 
@@ -61,6 +65,23 @@ TRANSFER_MOVES = ((0, S.GONE), (4, S.PREBUILT))
 TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY, input="transfer")
 TRANSFER_VETO = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY,
                       input="transfer", veto="held", veto_value=4)
+# 0.5.19 on: a failed transfer may keep its slot (deferred release, #35049); the hold
+# decision follows the MIN, then resolve_deferred_releases frees held slots
+TRANSFER_DEFER = replace(TRANSFER_VETO, moves=((0, S.FAILED), (4, S.PREBUILT)))
+_HOLD = ((0, S.GONE), (1, S.HELD), (2, S.HELD))
+HOLD_LOCAL = Point("defer_release", Op.LOCAL, (S.FAILED,), _HOLD, input="hold")          # 0.5.19
+HOLD_LOCAL_HOST = replace(HOLD_LOCAL, moves=((0, S.GONE), (1, S.HELD), (2, S.HELD_HOST)))  # 0.5.21
+HOLD_MAX = Point("defer_release", Op.MAX, (S.FAILED,), _HOLD, Skip.EMPTY, input="hold")   # 0.5.23
+RELEASE_LOCAL = Point("deferred_release", Op.LOCAL, (S.HELD,), ((1, S.GONE),), input="drained")
+# 0.5.21: only host-staged holds are MIN-reduced, and only ``if host_ready.numel()``
+RELEASE_HOST_MIN = Point("deferred_release_host", Op.MIN, (S.HELD_HOST,), ((1, S.GONE),), Skip.EMPTY,
+                         input="drained")
+RELEASE_MIN = Point("deferred_release", Op.MIN, (S.HELD,), ((1, S.GONE),), Skip.EMPTY, input="drained")
+# drain_before_retraction (0.5.21 on): check_offload_progress's MIN, then a MAX of
+# "copies pending here", issued only by a rank whose own check_decode_mem fails
+DRAIN_PROGRESS = Point("offload_drain_progress", Op.MIN, (S.RUNNING,), (), Skip.LOCAL_FLAG,
+                       input="retract", shape=2)
+DRAIN = Point("offload_drain", Op.MAX, (S.RUNNING,), (), Skip.LOCAL_FLAG, input="retract", shape=1)
 NO_CHECKSUM = Point("prebuilt", Op.LOCAL, (S.PREBUILT,), ((0, S.RUNNING),))
 _CHECKSUM_MOVES = ((0, S.RUNNING), (1, S.GONE))
 CHECKSUM_LOCAL = Point("kv_checksum", Op.LOCAL, (S.PREBUILT,), _CHECKSUM_MOVES, input="corrupt")
@@ -72,8 +93,11 @@ FORWARD = Point("forward", Op.ALL_REDUCE, (S.RUNNING,), ((1, S.GONE),), Skip.EMP
 STRICT_PREALLOC = Point("prealloc_poll", Op.MIN, (S.PENDING, S.PREALLOC, S.READY), _HANDSHAKE,
                         Skip.EMPTY, input="handshake", gate="unresolved", gate_value=1)
 STRICT_ADMIT = Point("admission", Op.MIN, (S.READY,), ((1, S.TRANSFER),), Skip.EMPTY, input="fits")
-STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY,
+STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_DEFER.moves, Skip.EMPTY,
                         input="transfer", gate="held", gate_value=3)
+# the drain is issued by every rank with a running batch; its MAX of the ranks' retract
+# needs is the agreed decision to retract
+STRICT_DRAIN = (replace(DRAIN_PROGRESS, skip=Skip.EMPTY), replace(DRAIN, skip=Skip.EMPTY))
 
 
 @dataclass(frozen=True)
@@ -90,19 +114,28 @@ class IterVariant:
         return tuple(dict.fromkeys(names))
 
 
-def _sglang(name: str, releases: str, skip: Skip, transfer: Point, checksum: Point) -> IterVariant:
-    return IterVariant(name, releases, (RECV, OFFLOAD, RESOLVE, prealloc(skip), ADMIT_LOCAL,
-                                        transfer, checksum, FORWARD))
+def _sglang(name: str, releases: str, skip: Skip, transfer: Point, checksum: Point,
+            release: tuple[Point, ...] = (), hold: tuple[Point, ...] = (),
+            drain: tuple[Point, ...] = ()) -> IterVariant:
+    """In event-loop order: process_decode_queue (offload, deferred releases, the queues),
+    then the next batch (prebuilt, checksum, retraction's drain), then the forward."""
+    return IterVariant(name, releases, (RECV, OFFLOAD, *release, RESOLVE, prealloc(skip), ADMIT_LOCAL,
+                                        transfer, *hold, checksum, *drain, FORWARD))
 
 
 ITER_VARIANTS: dict[str, IterVariant] = {v.name: v for v in (
     _sglang("iter-0.5.12", "SGLang 0.5.12", Skip.ALL_READY, TRANSFER, NO_CHECKSUM),
-    _sglang("iter-0.5.13", "SGLang 0.5.13 to 0.5.19", Skip.ALL_READY_NO_LOCAL_FAIL, TRANSFER_VETO,
+    _sglang("iter-0.5.13", "SGLang 0.5.13 to 0.5.18", Skip.ALL_READY_NO_LOCAL_FAIL, TRANSFER_VETO,
             NO_CHECKSUM),
-    _sglang("iter-0.5.21", "SGLang 0.5.21", Skip.EMPTY, TRANSFER_VETO, CHECKSUM_LOCAL),
-    _sglang("iter-0.5.23", "SGLang 0.5.23", Skip.EMPTY, TRANSFER_VETO, CHECKSUM_MAX),
-    IterVariant("iter-strict", "this project", (RECV, OFFLOAD, STRICT_PREALLOC, STRICT_ADMIT,
-                                                STRICT_TRANSFER, CHECKSUM_MAX, FORWARD)),
+    _sglang("iter-0.5.19", "SGLang 0.5.19", Skip.ALL_READY_NO_LOCAL_FAIL, TRANSFER_DEFER, NO_CHECKSUM,
+            (RELEASE_LOCAL,), (HOLD_LOCAL,)),
+    _sglang("iter-0.5.21", "SGLang 0.5.21", Skip.EMPTY, TRANSFER_DEFER, CHECKSUM_LOCAL,
+            (RELEASE_HOST_MIN, RELEASE_LOCAL), (HOLD_LOCAL_HOST,), (DRAIN_PROGRESS, DRAIN)),
+    _sglang("iter-0.5.23", "SGLang 0.5.23", Skip.EMPTY, TRANSFER_DEFER, CHECKSUM_MAX,
+            (RELEASE_MIN,), (HOLD_MAX,), (DRAIN_PROGRESS, DRAIN)),
+    IterVariant("iter-strict", "this project", (RECV, OFFLOAD, RELEASE_MIN, STRICT_PREALLOC, STRICT_ADMIT,
+                                                STRICT_TRANSFER, HOLD_MAX, CHECKSUM_MAX, *STRICT_DRAIN,
+                                                FORWARD)),
 )}
 
 
@@ -127,10 +160,15 @@ P_STRICT_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_
 P_FORWARD = Point("forward", Op.ALL_REDUCE, (P.WAITING,), ((0, P.INFLIGHT),), Skip.EMPTY)
 P_INFLIGHT = Point("inflight_poll", Op.MIN, (P.INFLIGHT,), ((0, P.GONE), (4, P.GONE)), Skip.EMPTY,
                    input="transfer")
-for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 to 0.5.23 (prefill)",
+# resolve_waiting_queue_bootstrap (0.5.18 on): the MIN over the waiting queue's
+# non-aborted requests (``if not candidates: return``); Failed leaves
+P_WAITING = Point("waiting_bootstrap", Op.MIN, (P.WAITING,), ((0, P.GONE),), Skip.EMPTY, input="bootstrap")
+for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 and 0.5.13 (prefill)",
                        (P_RECV, P_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
+           IterVariant("prefill-0.5.18", "SGLang 0.5.18 to 0.5.23 (prefill)",
+                       (P_RECV, P_BOOTSTRAP, P_WAITING, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
            IterVariant("prefill-strict", "this project (prefill)",
-                       (P_RECV, P_STRICT_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT)):
+                       (P_RECV, P_STRICT_BOOTSTRAP, P_WAITING, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT)):
     ITER_VARIANTS[_v.name] = _v
 
 

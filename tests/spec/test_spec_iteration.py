@@ -17,7 +17,7 @@ S = Stage
 def _inputs(v, ranks=2, reqs=1, **per_rank):
     """Every input at its 'proceed' value on every rank; per_rank overrides by name."""
     proceed = {"arrive": 1, "resolved": 1, "handshake": 2, "fits": 1, "transfer": 4, "held": 0,
-               "corrupt": 0, "finish": 0, "unresolved": 0}
+               "corrupt": 0, "finish": 0, "unresolved": 0, "hold": 0, "drained": 1, "retract": 0}
     out = {n: [[proceed[n]] * reqs for _ in range(ranks)] for n in v.inputs()}
     for name, rows in per_rank.items():
         out[name] = rows
@@ -191,3 +191,83 @@ def test_prefill_pop_bootstrapped_keeps_a_request_on_the_rank_without_a_metadata
     strict = ITER_VARIANTS["prefill-strict"]
     res = run_iteration(strict, boot, inputs)
     assert res.stages == boot and iteration_violations(res, strict) == []
+
+
+def _failed_then(v, **per_rank):
+    """A request the transfer MIN fails on every rank, with the hold inputs given."""
+    return run_iteration(v, ((S.TRANSFER,), (S.TRANSFER,)), _inputs(v, transfer=[[0], [0]], **per_rank))
+
+
+def test_the_hold_decision_after_a_failed_transfer_is_per_rank_until_0_5_23_agrees_it_by_max():
+    """#35049: 0.5.19 and 0.5.21 hold a failed request's slot where this rank's receiver
+    notified prefill; 0.5.23 MAX-reduces the hold flags first (decode.py 0.5.23:2960)."""
+    for name in ("iter-0.5.19", "iter-0.5.21"):
+        res = _failed_then(ITER_VARIANTS[name], hold=[[1], [0]])
+        assert res.stages == ((S.HELD,), (S.GONE,)), name
+    for name in ("iter-0.5.23", "iter-strict"):
+        v = ITER_VARIANTS[name]
+        res = _failed_then(v, hold=[[1], [0]])
+        assert res.stages == ((S.HELD,), (S.HELD,)), name
+        assert ("defer_release", "max", 1) in res.records[0] and iteration_violations(res, v) == []
+    v12 = ITER_VARIANTS["iter-0.5.13"]
+    assert _failed_then(v12).stages == ((S.GONE,), (S.GONE,))       # no deferred release before 0.5.19
+
+
+def test_deferred_releases_free_per_rank_in_0_5_19_and_by_a_min_in_0_5_23():
+    held = ((S.HELD,), (S.HELD,))
+    v19 = ITER_VARIANTS["iter-0.5.19"]
+    res = run_iteration(v19, held, _inputs(v19, drained=[[1], [0]]))
+    assert res.stages == ((S.GONE,), (S.HELD,)) and res.records[0] == res.records[1]
+    assert [x.invariant for x in iteration_violations(res, v19)] == ["stages_agree"]
+    v23 = ITER_VARIANTS["iter-0.5.23"]
+    res = run_iteration(v23, held, _inputs(v23, drained=[[1], [0]]))
+    assert res.stages == held and ("deferred_release", "min", 1) in res.records[1]
+    assert iteration_violations(res, v23) == []
+
+
+def test_0_5_21_min_reduces_host_staged_holds_only_where_this_rank_has_one():
+    """decode.py 0.5.21:2810-2824: ``if host_ready.numel()`` counts this rank's host-staged
+    holds, so a rank that held the request on the device (or released it) skips the MIN."""
+    v = ITER_VARIANTS["iter-0.5.21"]
+    res = _failed_then(v, hold=[[2], [1]])
+    assert res.stages == ((S.HELD_HOST,), (S.HELD,))
+    nxt = run_iteration(v, res.stages, _inputs(v, drained=[[0], [0]]))
+    assert "deferred_release_host" in _names(nxt, 0) and "deferred_release_host" not in _names(nxt, 1)
+    (viol,) = collectives_agree(nxt)
+    assert "deferred_release_host min shape 1" in viol.detail
+    both = run_iteration(v, ((S.HELD_HOST,), (S.HELD_HOST,)), _inputs(v, drained=[[1], [0]]))
+    assert both.stages == ((S.HELD_HOST,), (S.HELD_HOST,)) and collectives_agree(both) == []
+
+
+def test_the_retraction_drain_is_issued_only_by_the_rank_that_retracts():
+    """drain_before_retraction (0.5.21 on): check_offload_progress's MIN, then a MAX, on
+    the rank whose own check_decode_mem failed; strict issues both wherever a batch runs."""
+    running = ((S.RUNNING,), (S.RUNNING,))
+    for name in ("iter-0.5.21", "iter-0.5.23"):
+        v = ITER_VARIANTS[name]
+        res = run_iteration(v, running, _inputs(v, retract=[[0], [1]]))
+        assert _names(res, 1)[-3:] == ["offload_drain_progress", "offload_drain", "forward"], name
+        assert "offload_drain" not in _names(res, 0)
+        (viol,) = collectives_agree(res)
+        assert "rank 0 issues forward all_reduce shape 1, rank 1 issues offload_drain_progress min shape 2" in viol.detail
+    strict = ITER_VARIANTS["iter-strict"]
+    res = run_iteration(strict, running, _inputs(strict, retract=[[0], [1]]))
+    assert res.records[0] == res.records[1] and ("offload_drain", "max", 1) in res.records[0]
+    assert "offload_drain" not in _names(run_iteration(strict, initial_stages(2, 1), _inputs(strict, arrive=[[0], [0]])), 0)
+
+
+def test_prefill_waiting_queue_min_follows_the_bootstrap_min_from_0_5_18():
+    """resolve_waiting_queue_bootstrap: a MIN over the waiting queue (``if not candidates:
+    return``); a failed poll leaves it. On ranks the buffer continue split, the vectors differ."""
+    from model.spec.iteration import PStage
+    v = ITER_VARIANTS["prefill-0.5.18"]
+    waiting = ((PStage.WAITING,), (PStage.WAITING,))
+    res = run_iteration(v, waiting, {"arrive": [[0], [0]], "bootstrap": [[2], [0]], "no_buffer": [[0], [0]],
+                                     "transfer": [[3], [3]]})
+    assert res.stages == ((PStage.GONE,), (PStage.GONE,)) and iteration_violations(res, v) == []
+    boot = ((PStage.BOOTSTRAP,), (PStage.BOOTSTRAP,))
+    res = run_iteration(v, boot, {"arrive": [[0], [0]], "bootstrap": [[2], [2]], "no_buffer": [[0], [1]],
+                                  "transfer": [[3], [3]]})
+    assert "waiting_bootstrap" in [n for n, _, _ in res.records[0]]
+    assert "waiting_bootstrap" not in [n for n, _, _ in res.records[1]]
+    assert "waiting_bootstrap" not in [p.name for p in ITER_VARIANTS["prefill-0.5.12"].points]
