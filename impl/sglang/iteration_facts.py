@@ -15,7 +15,9 @@ from model.spec.iteration import ITER_VARIANTS, IterVariant
 DECODE = "sglang.srt.disaggregation.decode"
 # The variant that models each pinned release (docs/PROOFS.md, "The decode iteration").
 MODELLED_BY = {"0.5.12": "iter-0.5.12", "0.5.13": "iter-0.5.13", "0.5.18": "iter-0.5.13",
-               "0.5.19": "iter-0.5.13", "0.5.21": "iter-0.5.21", "0.5.23": "iter-0.5.23"}
+               "0.5.19": "iter-0.5.19", "0.5.21": "iter-0.5.21", "0.5.23": "iter-0.5.23"}
+OFFLOAD = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
+SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class Mechanisms:
     admission: Op         # pop_preallocated
     transfer_veto: bool   # a rank-local continue after the transfer MIN's Success
     checksum: Op | None   # _verify_kv_checksums (None: no checksum)
+    hold: Op | None       # pop_transferred's decision to hold a failed request's slot (None: never held)
+    release: Op | None    # resolve_deferred_releases' reduction (None: no deferred release)
+    release_host_only: bool   # ... of host-staged holds only, issued ``if host_ready.numel()``
 
 
 def _functions(tree: ast.AST) -> dict[str, ast.FunctionDef]:
@@ -68,16 +73,27 @@ _TRANSFER_VETO = ((ast.Continue,), ("allocate_host_staged", "HiCacheRestoreResul
 _BUFFER_VETO = ((ast.Continue, ast.Break), ("ensure_metadata_buffer", "available_size() == 0"))
 
 
+def _reduce_op(fn: ast.FunctionDef) -> Op:
+    text = _text(fn)
+    return Op.MIN if "ReduceOp.MIN" in text else Op.MAX if "ReduceOp.MAX" in text else Op.LOCAL
+
+
 def mechanisms_of(source: str) -> Mechanisms:
     """The mechanisms of one release's decode.py source."""
     fns = _functions(ast.parse(source))
     checksum = fns.get("_verify_kv_checksums")
+    pop, release = fns["pop_transferred"], fns.get("resolve_deferred_releases")
+    holds = "_defer_release(" in _text(pop)
     return Mechanisms(
         resolve=Op.MIN if _collective(fns.get("_resolve_pending_reqs")) else Op.LOCAL,
         prealloc_skip=_prealloc_skip(fns["_update_handshake_waiters"]),
         admission=Op.MIN if _collective(fns.get("pop_preallocated")) else Op.LOCAL,
-        transfer_veto=_veto(fns["pop_transferred"], *_TRANSFER_VETO),
-        checksum=None if checksum is None else (Op.MAX if "ReduceOp.MAX" in _text(checksum) else Op.LOCAL))
+        transfer_veto=_veto(pop, *_TRANSFER_VETO),
+        checksum=None if checksum is None else (Op.MAX if "ReduceOp.MAX" in _text(checksum) else Op.LOCAL),
+        # 0.5.23 reduces the hold flags with a MAX inside pop_transferred (its only MAX there)
+        hold=None if not holds else Op.MAX if "ReduceOp.MAX" in _text(pop) else Op.LOCAL,
+        release=None if release is None else _reduce_op(release),
+        release_host_only=release is not None and "host_ready.numel()" in _text(release))
 
 
 def mechanisms_modelled(v: IterVariant) -> Mechanisms:
@@ -85,10 +101,57 @@ def mechanisms_modelled(v: IterVariant) -> Mechanisms:
     by = {p.name: p for p in v.points}
     resolve = by.get("resolve_pending")
     checksum = by.get("kv_checksum")
+    hold, host = by.get("defer_release"), by.get("deferred_release_host")
+    release = host or by.get("deferred_release")
     return Mechanisms(resolve=resolve.op if resolve else Op.MIN,
                       prealloc_skip=by["prealloc_poll"].skip, admission=by["admission"].op,
                       transfer_veto=by["transfer_poll"].veto is not None,
-                      checksum=checksum.op if checksum else None)
+                      checksum=checksum.op if checksum else None,
+                      hold=hold.op if hold else None, release=release.op if release else None,
+                      release_host_only=host is not None)
+
+
+@dataclass(frozen=True)
+class OffloadMechanisms:
+    progress: tuple[Op, int, bool]   # check_offload_progress: op, vector length, guarded by a rank-local test
+    drain: tuple[Op, ...]            # drain_before_retraction's collectives, in order (empty: none)
+    drain_on_local_memory: bool      # the scheduler drains under ``kv_full_retract_flag`` (check_decode_mem)
+
+
+def offload_mechanisms_of(offload: str, scheduler: str) -> OffloadMechanisms:
+    """decode_kvcache_offload_manager.py and managers/scheduler.py of one release."""
+    fns = _functions(ast.parse(offload))
+    prog = fns["check_offload_progress"]
+    call = next(n for n in ast.walk(prog) if isinstance(n, ast.Call) and _text(n.func).endswith("all_reduce"))
+    vector = next(n for n in ast.walk(prog) if isinstance(n, ast.List))
+    guard = next(_text(n.test) for n in ast.walk(prog) if isinstance(n, ast.If) and call in ast.walk(n))
+    drain_fn = fns.get("drain_before_retraction")
+    drain: tuple[Op, ...] = ()
+    if drain_fn is not None:      # its own check_offload_progress() call, then its reductions
+        text = _text(drain_fn)
+        drain = ((Op.MIN,) if "self.check_offload_progress()" in text else ()) + (_reduce_op(drain_fn),)
+    on_memory = False
+    for node in ast.walk(ast.parse(scheduler)):
+        if isinstance(node, ast.If) and "kv_full_retract_flag" in _text(node.test):
+            on_memory |= any("drain_before_retraction" in _text(b) for b in node.body)
+    return OffloadMechanisms((_reduce_op(prog), len(vector.elts), guard != "self.tp_world_size > 1"),
+                             drain, on_memory)
+
+
+def offload_mechanisms_modelled(v: IterVariant) -> OffloadMechanisms:
+    by = {p.name: p for p in v.points}
+    off = by["offload_progress"]
+    drains = [by[n] for n in ("offload_drain_progress", "offload_drain") if n in by]
+    return OffloadMechanisms((off.op, off.shape or 0, off.skip is not Skip.NEVER), tuple(p.op for p in drains),
+                             any(p.skip is Skip.LOCAL_FLAG for p in drains))
+
+
+def offload_mismatches(version: str) -> list[str]:
+    w = open_wheel(version)
+    got = offload_mechanisms_of(w.source_of(OFFLOAD)[0], w.source_of(SCHEDULER)[0])
+    want = offload_mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
+    return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
+            for name in OffloadMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
 
 
 def release_mismatches(version: str) -> list[str]:
@@ -100,7 +163,8 @@ def release_mismatches(version: str) -> list[str]:
 
 
 PREFILL = "sglang.srt.disaggregation.prefill"
-PREFILL_VARIANT = "prefill-0.5.12"       # every pinned release (docs/PROOFS.md)
+PREFILL_MODELLED_BY = {"0.5.12": "prefill-0.5.12", "0.5.13": "prefill-0.5.12", "0.5.18": "prefill-0.5.18",
+                       "0.5.19": "prefill-0.5.18", "0.5.21": "prefill-0.5.18", "0.5.23": "prefill-0.5.18"}
 
 
 @dataclass(frozen=True)
@@ -108,12 +172,14 @@ class PrefillMechanisms:
     bootstrap_skip: Skip   # pop_bootstrapped's early return
     bootstrap_veto: bool   # a rank without a free metadata buffer keeps the request
     inflight_skip: Skip    # process_disagg_prefill_inflight_queue's early return
+    waiting: Skip | None   # resolve_waiting_queue_bootstrap's empty return (None: no such MIN)
 
 
 def _empty_return(fn: ast.FunctionDef) -> Skip:
-    """EMPTY where the body returns early on an empty queue (``len(...) == 0``)."""
+    """EMPTY where the body returns early on an empty list (``len(...) == 0``, ``not x``)."""
     for n in fn.body:
-        if isinstance(n, ast.If) and "len(self" in _text(n.test) and "== 0" in _text(n.test) \
+        test = _text(n.test) if isinstance(n, ast.If) else ""
+        if (("len(self" in test and "== 0" in test) or test.startswith("not ")) \
                 and any(isinstance(b, ast.Return) for b in ast.walk(n)):
             return Skip.EMPTY
     return Skip.NEVER
@@ -121,20 +187,27 @@ def _empty_return(fn: ast.FunctionDef) -> Skip:
 
 def prefill_mechanisms_of(source: str) -> PrefillMechanisms:
     fns = _functions(ast.parse(source))
-    boot = fns["pop_bootstrapped"]
+    boot, waiting = fns["pop_bootstrapped"], fns.get("resolve_waiting_queue_bootstrap")
     return PrefillMechanisms(_empty_return(boot), _veto(boot, *_BUFFER_VETO),
-                             _empty_return(fns["process_disagg_prefill_inflight_queue"]))
+                             _empty_return(fns["process_disagg_prefill_inflight_queue"]),
+                             None if waiting is None or not _collective_poll(waiting) else _empty_return(waiting))
+
+
+def _collective_poll(fn: ast.FunctionDef) -> bool:
+    return "poll_and_all_reduce" in _text(fn)
 
 
 def prefill_mechanisms_modelled(v: IterVariant) -> PrefillMechanisms:
     by = {p.name: p for p in v.points}
+    waiting = by.get("waiting_bootstrap")
     return PrefillMechanisms(by["bootstrap_poll"].skip, by["bootstrap_poll"].veto is not None,
-                             by["inflight_poll"].skip)
+                             by["inflight_poll"].skip, waiting.skip if waiting else None)
 
 
 def prefill_mismatches(version: str) -> list[str]:
-    """What the release's prefill.py does that prefill-0.5.12 does not model."""
+    """What the release's prefill.py does that its prefill-* variant does not model."""
+    name = PREFILL_MODELLED_BY[version]
     got = prefill_mechanisms_of(open_wheel(version).source_of(PREFILL)[0])
-    want = prefill_mechanisms_modelled(ITER_VARIANTS[PREFILL_VARIANT])
-    return [f"{version} {name}: source {getattr(got, name)}, {PREFILL_VARIANT} {getattr(want, name)}"
-            for name in PrefillMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+    want = prefill_mechanisms_modelled(ITER_VARIANTS[name])
+    return [f"{version} {f}: source {getattr(got, f)}, {name} {getattr(want, f)}"
+            for f in PrefillMechanisms.__dataclass_fields__ if getattr(got, f) != getattr(want, f)]

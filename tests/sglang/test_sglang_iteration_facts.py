@@ -3,7 +3,8 @@ each pinned release's source shows exactly the mechanisms its iter-* variant mod
 a source changed at one mechanism is reported at that mechanism."""
 import pytest
 
-from impl.sglang.iteration_facts import (DECODE, MODELLED_BY, PREFILL, mechanisms_of, prefill_mechanisms_of,
+from impl.sglang.iteration_facts import (DECODE, MODELLED_BY, OFFLOAD, PREFILL, SCHEDULER, mechanisms_of,
+                                        offload_mechanisms_of, offload_mismatches, prefill_mechanisms_of,
                                         prefill_mismatches, release_mismatches)
 from impl.sglang.wheels import PINNED, open_wheel
 from model.spec.agreement import Op, Skip
@@ -20,11 +21,46 @@ def test_the_release_differences_are_read_from_the_source():
     assert [got[v].prealloc_skip for v in got] == [Skip.ALL_READY, Skip.ALL_READY_NO_LOCAL_FAIL, Skip.EMPTY, Skip.EMPTY]
     assert [got[v].checksum for v in got] == [None, None, Op.LOCAL, Op.MAX]
     assert [got[v].transfer_veto for v in got] == [False, True, True, True]
+    assert [got[v].hold for v in got] == [None, None, Op.LOCAL, Op.MAX]
+    assert [got[v].release for v in got] == [None, None, Op.MIN, Op.MIN]
+    assert [got[v].release_host_only for v in got] == [False, False, True, False]
+    v19 = mechanisms_of(open_wheel("0.5.19").source_of(DECODE)[0])
+    assert (v19.hold, v19.release) == (Op.LOCAL, Op.LOCAL)     # deferred release came in 0.5.19, with no collective
+
+
+@pytest.mark.parametrize("version", PINNED)
+def test_each_release_offload_is_modelled_by_its_variant(version):
+    assert offload_mismatches(version) == []
+
+
+def _offload(version, edit=None, scheduler_edit=None):
+    w = open_wheel(version)
+    off, sched = w.source_of(OFFLOAD)[0], w.source_of(SCHEDULER)[0]
+    for text, change in ((off, edit), (sched, scheduler_edit)):
+        if change:
+            assert change[0] in text
+    off = off.replace(*edit, 1) if edit else off
+    sched = sched.replace(*scheduler_edit, 1) if scheduler_edit else sched
+    return offload_mechanisms_of(off, sched)
+
+
+def test_the_offload_drain_is_read_from_the_source():
+    assert _offload("0.5.19").drain == () and _offload("0.5.23").drain == (Op.MIN, Op.MAX)
+    assert _offload("0.5.23").progress == (Op.MIN, 2, False) and _offload("0.5.23").drain_on_local_memory
+    edited = _offload("0.5.23", ("pending, op=torch.distributed.ReduceOp.MAX", "pending, op=torch.distributed.ReduceOp.MIN"))
+    assert edited.drain == (Op.MIN, Op.MIN)
+    agreed = _offload("0.5.23", scheduler_edit=("if kv_full_retract_flag or (", "if agreed_retract or ("))
+    assert not agreed.drain_on_local_memory
 
 
 @pytest.mark.parametrize("edit, field, value", [
     (("        if not self.queue:\n            return\n", ""), "prealloc_skip", Skip.NEVER),
     (("dist.ReduceOp.MAX", "dist.ReduceOp.SUM"), "checksum", Op.LOCAL),
+    (("flags=[hold for _, _, hold in failed],\n            group=self.gloo_group,\n            op=torch.distributed.ReduceOp.MAX",
+      "flags=[hold for _, _, hold in failed],\n            group=self.gloo_group,\n            op=torch.distributed.ReduceOp.SUM"),
+     "hold", Op.LOCAL),
+    (("flags=ready, group=self.gloo_group, op=torch.distributed.ReduceOp.MIN",
+      "flags=ready, group=self.gloo_group, op=torch.distributed.ReduceOp.SUM"), "release", Op.LOCAL),
     (("                        decode_req\n                    ):\n                        continue\n",
       "                        decode_req\n                    ):\n                        pass\n"), "transfer_veto", False),
 ])
@@ -48,3 +84,11 @@ def test_a_prefill_source_without_the_buffer_continue_shows_it():
     assert got.bootstrap_veto and got.bootstrap_skip is Skip.EMPTY
     edited = source.replace("if not self.ensure_metadata_buffer(req):", "if False:")
     assert not prefill_mechanisms_of(edited).bootstrap_veto
+
+
+def test_the_waiting_queue_min_is_read_from_the_source():
+    assert prefill_mechanisms_of(open_wheel("0.5.13").source_of(PREFILL)[0]).waiting is None
+    source = open_wheel("0.5.23").source_of(PREFILL)[0]
+    assert prefill_mechanisms_of(source).waiting is Skip.EMPTY
+    edited = source.replace("        if not candidates:\n            return\n", "", 1)
+    assert edited != source and prefill_mechanisms_of(edited).waiting is Skip.NEVER
