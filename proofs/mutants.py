@@ -349,10 +349,12 @@ def _iter_point(variant: str, point: str, **changes: Any) -> Callable[[], None]:
     """Change one point of one iteration variant (the table every module reads); an
     ``op`` is given by its value."""
     def apply() -> None:
-        from model.spec.agreement import Op
+        from model.spec.agreement import Op, Skip
         from model.spec.iteration import ITER_VARIANTS
         if "op" in changes:
             changes["op"] = Op(changes["op"])
+        if "skip" in changes:
+            changes["skip"] = Skip(changes["skip"])
         v = ITER_VARIANTS[variant]
         points = tuple(replace(p, **changes) if p.name == point else p for p in v.points)
         ITER_VARIANTS[variant] = replace(v, points=points)
@@ -366,6 +368,18 @@ def _skip_ignores_local_fail() -> None:
     def triggers(p, stage, local, ops):
         if p.skip is agreement.Skip.ALL_READY_NO_LOCAL_FAIL:
             p = replace(p, skip=agreement.Skip.ALL_READY)
+        return original(p, stage, local, ops)
+    _replace_everywhere(original, triggers)
+
+
+def _local_flag_ignored() -> None:
+    """The LOCAL_FLAG skip issues wherever the rank holds a member (as EMPTY)."""
+    from model.spec import agreement
+    original = agreement.triggers
+
+    def triggers(p, stage, local, ops):
+        if p.skip is agreement.Skip.LOCAL_FLAG:
+            p = replace(p, skip=agreement.Skip.EMPTY)
         return original(p, stage, local, ops)
     _replace_everywhere(original, triggers)
 
@@ -420,6 +434,18 @@ ITERATION_MUTANTS: list[Mutant] = [
            ("safety:point:bootstrap_poll@prefill-strict",)),
     Mutant("iter-collectives-agree-trivial", "iteration", "the spec's collectives_agree never reports",
            _collectives_agree_trivial, ("cex:collectives_agree@iter-0.5.12",)),
+    Mutant("iter-strict-hold-local", "iteration", "strict decides per rank whether a failed request keeps its slot",
+           _iter_point("iter-strict", "defer_release", op="local"), ("safety:point:defer_release@iter-strict",)),
+    Mutant("iter-strict-release-local", "iteration", "strict frees a held slot on each rank's own ack or deadline",
+           _iter_point("iter-strict", "deferred_release", op="local"), ("safety:point:deferred_release@iter-strict",)),
+    Mutant("iter-strict-drain-on-retract", "iteration", "strict drains offloads only on the rank that retracts",
+           _iter_point("iter-strict", "offload_drain_progress", skip="local-flag"),
+           ("safety:point:offload_drain_progress@iter-strict",)),
+    Mutant("agreement-local-flag-ignored", "agreement", "a rank-local issue test (LOCAL_FLAG) reads as the queue's emptiness",
+           _local_flag_ignored, ("induction:point:offload_drain@iter-0.5.23",)),
+    Mutant("prefill-waiting-local", "iteration", "0.5.18's waiting queue acts on each rank's own poll (no MIN)",
+           _iter_point("prefill-0.5.18", "waiting_bootstrap", op="local"),
+           ("safety:point:waiting_bootstrap@prefill-0.5.18",)),
 ]
 MUTANTS += ITERATION_MUTANTS
 

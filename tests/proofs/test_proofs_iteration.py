@@ -77,15 +77,25 @@ def test_the_releases_break_collectives_agree_in_the_first_iteration_with_one_re
 def test_the_same_queries_say_no_for_the_releases_and_yes_for_strict():
     """The non-vacuity sibling of every unbounded row: one query function, both answers."""
     strict, rel = ITER_VARIANTS["iter-strict"], ITER_VARIANTS["iter-0.5.23"]
-    assert preserves(strict).result.status == "unsat"
-    assert preserves(rel, universe=(2, 1)).result.status == "sat"
+    assert preserves(strict, strict.points[:4]).result.status == "unsat"     # broadcast to the prealloc MIN
+    assert preserves(rel, rel.points[:4], universe=(2, 1)).result.status == "sat"
+    hold = lambda v: [p for p in v.points if p.name == "defer_release"]
+    assert preserves(rel, hold(rel)).result.status == "unsat"                  # 0.5.23's MAX agrees the holds
+    v21 = ITER_VARIANTS["iter-0.5.21"]
+    assert preserves(v21, hold(v21), universe=(2, 1)).result.status == "sat"
     transfer = lambda v: next(p for p in v.points if p.name == "transfer_poll")
     assert decides_agreed(strict, transfer(strict)).result.status == "unsat"
     assert decides_agreed(rel, transfer(rel), universe=(2, 1)).result.status == "sat"
 
 
-def test_two_iteration_mutants_are_killed_by_the_rows_they_name():
-    names = ["iter-strict-admission-local", "iter-encoding-min-no-witness"]
+def test_the_whole_iteration_rows_compose_the_points():
+    ob = {(o.obligation, o.variant): o for o in iteration_obligations()}
+    assert ("safety:collectives_agree", "iter-strict") in ob and ("induction:collectives_agree", "iter-0.5.19") in ob
+
+
+def test_iteration_mutants_are_killed_by_the_rows_they_name():
+    names = ["iter-strict-admission-local", "iter-encoding-min-no-witness", "iter-strict-hold-local",
+             "agreement-local-flag-ignored"]
     got = {r.name: r for r in run_all(names)}
     for m in ITERATION_MUTANTS:
         if m.name in names:
