@@ -88,9 +88,14 @@ def test_the_same_queries_say_no_for_the_releases_and_yes_for_strict():
     assert decides_agreed(rel, transfer(rel), universe=(2, 1)).result.status == "sat"
 
 
-def test_the_whole_iteration_rows_compose_the_points():
-    ob = {(o.obligation, o.variant): o for o in iteration_obligations()}
-    assert ("safety:collectives_agree", "iter-strict") in ob and ("induction:collectives_agree", "iter-0.5.19") in ob
+def test_the_whole_iteration_rows_compose_the_points_and_name_the_first_breaking_one(rows):
+    by = {(r["obligation"], r["variant"]): r for r in rows}
+    n = len(ITER_VARIANTS["iter-strict"].points)
+    assert by[("safety:collectives_agree", "iter-strict")]["detail"].startswith(f"every point ({n}), composed")
+    for variant, first in (("iter-0.5.19", "deferred_release"), ("iter-0.5.23", "resolve_pending"),
+                           ("prefill-0.5.18", "bootstrap_poll")):
+        assert f", at {first}:" in by[("induction:collectives_agree", variant)]["detail"], variant
+        assert first == BREAKS[variant][0]
 
 
 def test_iteration_mutants_are_killed_by_the_rows_they_name():
