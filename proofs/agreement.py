@@ -30,7 +30,7 @@ from typing import Callable
 
 import z3
 
-from model.encoding.iteration import (Query, concrete_inputs, decides_agreed, disagree_at,
+from model.encoding.iteration import (Query, concrete_inputs, decides_agreed, disagree_at, extend,
                                       preserves, refines, unroll)
 from model.encoding.solver import Solver
 from model.encoding.vocab import Z3OPS
@@ -171,8 +171,9 @@ def _witness_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
 def _search(ob: Obligation, st: Settings, goal: Callable) -> Outcome:
     v = ITER_VARIANTS[ob.variant]
     for reqs in range(1, MAX_ITER_REQS + 1):
-        u = unroll(v, MAX_ITER_RANKS, reqs, MAX_ITERATIONS)
+        u = unroll(v, MAX_ITER_RANKS, reqs, 0)
         for i in range(MAX_ITERATIONS):
+            extend(u)
             s = Solver(st.timeout_ms)
             s.add(*u.domain, goal(u, i, ob))
             res = s.check()

@@ -250,22 +250,29 @@ class Unrolled:
 
 
 def unroll(v: IterVariant, ranks: int, reqs: int, depth: int, tag: str = "") -> Unrolled:
-    stages: Any = initial_stages(ranks, reqs)
-    stages = [[z3.IntVal(x) for x in row] for row in stages]
-    all_inputs, all_steps, domain = [], [], []
-    for i in range(depth):
-        inp = {name: [[z3.Int(f"{name}{tag}@{i}.{k}.{r}") for r in range(reqs)] for k in range(ranks)]
-               for name in v.inputs()}
-        for name, rows in inp.items():
-            domain += [z3.Or([x == d for d in INPUTS[name]]) for row in rows for x in row]
-        steps = []
-        for p in v.points:
-            after, issued, shapes = apply_point(p, stages, inp, Z3F)
-            steps.append((p, stages, after, issued, shapes))
-            stages = after
-        all_inputs.append(inp)
-        all_steps.append(steps)
-    return Unrolled(v, ranks, reqs, all_inputs, all_steps, domain)
+    u = Unrolled(v, ranks, reqs, [], [], [])
+    for _ in range(depth):
+        extend(u, tag)
+    return u
+
+
+def extend(u: Unrolled, tag: str = "") -> None:
+    """One more iteration, from where the last one ended (the searches deepen on demand:
+    building the terms costs more than solving the shallow queries)."""
+    v, i = u.variant, len(u.steps)
+    stages: Any = u.steps[-1][-1][2] if u.steps else [[z3.IntVal(x) for x in row]
+                                                     for row in initial_stages(u.ranks, u.reqs)]
+    inp = {name: [[z3.Int(f"{name}{tag}@{i}.{k}.{r}") for r in range(u.reqs)] for k in range(u.ranks)]
+           for name in v.inputs()}
+    for name, rows in inp.items():
+        u.domain += [z3.Or([x == d for d in INPUTS[name]]) for row in rows for x in row]
+    steps = []
+    for p in v.points:
+        after, issued, shapes = apply_point(p, stages, inp, Z3F)
+        steps.append((p, stages, after, issued, shapes))
+        stages = after
+    u.inputs.append(inp)
+    u.steps.append(steps)
 
 
 def disagree_at(u: Unrolled, i: int, invariant: str) -> z3.BoolRef:
