@@ -158,13 +158,20 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
             "cut_at_client_abort": cut}
 
 
-def _prefill_counts(path: Path) -> dict[str, int] | None:
-    """What strict's prefill side did (impl/sglang/live_site/live_prefill.py writes it):
-    metadata rows sent, rooms written last, rooms withheld after a failed row."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _prefill_counts(folder: Path) -> dict[str, int] | None:
+    """What strict's prefill side did, over the prefill's processes that loaded the sender
+    (impl/sglang/live_site/live_prefill.py writes one file each): metadata rows sent,
+    rooms written last, rooms withheld after a failed row. None: no patched sender."""
+    total: dict[str, int] | None = None
+    for path in sorted(folder.glob("prefill_patch.*.json")):
+        try:
+            counts = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        total = total or {}
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
 
 
 def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
@@ -182,7 +189,7 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
         env["PDGATE_LIVE_PATCH"] = cfg.patch
         env["PDGATE_LIVE_TIMEOUT_STEPS"] = str(cfg.timeout_steps)
     (work / "pd").mkdir(parents=True, exist_ok=True)
-    for old in [*(work / "pd").glob("rank*.jsonl"), work / "pd" / "prefill_patch.json"]:
+    for old in [*(work / "pd").glob("rank*.jsonl"), *(work / "pd").glob("prefill_patch.*")]:
         old.unlink(missing_ok=True)
     pd = deploy("pd", work / "pd", model, cfg, env)
     agree = [b == p for b, p in zip(base["outputs"], pd["outputs"])]
@@ -194,7 +201,7 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
            "failed_requests": sum(o is None for o in pd["outputs"]),
            "errors": sorted({e for e in pd["errors"] if e}),
            "baseline_timings": base["timings"], "pd_timings": pd["timings"],
-           "prefill_patch": _prefill_counts(work / "pd" / "prefill_patch.json"),
+           "prefill_patch": _prefill_counts(work / "pd"),
            "work_dir": str(work)}
     out.update(write_trace(work / "pd", Path(cfg.trace or work / "trace.ndjson"), variant,
                            cfg.timeout_steps if cfg.patch else None, cfg.timeout_steps))

@@ -2,7 +2,8 @@
 
 - ``PDGATE_LIVE_PATCH=strict``: strict's prefill side (impl/sglang/prefill_patch.py: the
   metadata room written after the rest of the row), its counts written every half second
-  to ``$PDGATE_LIVE_LOG_DIR/prefill_patch.json`` (the parent reports them: the patch ran);
+  by each process that loaded the sender to ``$PDGATE_LIVE_LOG_DIR/prefill_patch.PID.json``
+  (the parent adds them up and reports them: the patch ran);
 - ``PDGATE_LIVE_FAIL_SEND=RANK``: every KV transfer to decode rank RANK returns failure,
   as the engine's would, and the release's own failure path runs from there.
 """
@@ -50,15 +51,15 @@ def install(after_import: Callable[[str, Callable[[Any], None]], None]) -> None:
     if strict:
         from impl.sglang import prefill_patch
         after_import("sglang.srt.disaggregation.utils", prefill_patch.note_rooms)
-        folder = os.environ.get("PDGATE_LIVE_LOG_DIR")
-        if folder:
-            threading.Thread(target=_write_counts, args=(os.path.join(folder, "prefill_patch.json"),),
-                             daemon=True).start()
+    folder = os.environ.get("PDGATE_LIVE_LOG_DIR")
 
     def at_conn(conn: Any) -> None:
         if strict:
             from impl.sglang.prefill_patch import room_last
             room_last(conn)
+            if folder:
+                path = os.path.join(folder, f"prefill_patch.{os.getpid()}.json")
+                threading.Thread(target=_write_counts, args=(path,), daemon=True).start()
         if fail:
             _fail_sends(conn, int(fail))
     if strict or fail:
