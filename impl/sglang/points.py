@@ -96,6 +96,9 @@ def decode_scenario(name: str, stages: Sequence[Sequence[int]], **inputs: list[l
     st = tuple(tuple(int(x) for x in row) for row in stages)
     proceed = {"resolved": 1, "handshake": 2, "fits": 1}
     full = {n: inputs.get(n, [[proceed[n]] * len(st[0]) for _ in st]) for n in proceed}
+    # strict's gate, as the environment means it: pending here and not resolved now
+    full["unresolved"] = [[int(s == S.PENDING and not ok) for s, ok in zip(row, res)]
+                          for row, res in zip(st, full["resolved"])]
     return Scenario(name, "decode", st, full)
 
 
@@ -386,7 +389,8 @@ def check(versions: Sequence[str], scenarios: Sequence[Scenario], *, variant: st
           timeout_s: float = 2.0) -> list[dict]:
     """Every release on every scenario; ``variant``: compare with it instead of the
     release's own (for the decode scenarios, or the prefill ones when it is a prefill
-    variant): a wrong variant must differ."""
+    variant): a wrong variant must differ. Each row keeps its ``run`` (``compare`` it
+    with another variant without running the release again)."""
     rows = []
     for version in versions:
         rel = load(version)
@@ -395,7 +399,7 @@ def check(versions: Sequence[str], scenarios: Sequence[Scenario], *, variant: st
                 else variant_of(version, sc.side)
             run = run_release(rel, sc, timeout_s)
             rows.append({"release": version, **compare(sc, name, run),
-                         "stub_reads": rel.recorder.reads})
+                         "stub_reads": rel.recorder.reads, "run": run})
     stubs.purge()
     return rows
 
@@ -459,7 +463,8 @@ def run_points(args: Any) -> int:
     for line in table(rows):
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps([{k: x for k, x in r.items() if k != "run"} for r in rows],
+                                              indent=1) + "\n", encoding="utf-8")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("matches", "reproduces", "differs")}
     print(f"{len(rows)} checks: {counts['matches']} match, {counts['reproduces']} reproduce, "
           f"{counts['differs']} differ")
