@@ -30,8 +30,10 @@ Inputs = Mapping[str, Sequence[Sequence[int]]]
 
 
 class Receiver(fakes._Recording):
-    """A decode KV receiver: Bootstrapping until ``init`` (the dp rank resolved), then
-    this rank's ``handshake`` input; a Failed handshake is its ``conclude_state``."""
+    """A decode KV receiver: this rank's ``handshake`` input, at most Bootstrapping until
+    ``init`` (the dp rank resolved; a receiver can fail before, as CommonKVReceiver's
+    constructor does when the bootstrap server is unreachable); a Failed handshake is its
+    ``conclude_state``."""
 
     def __init__(self, handshake: int, mgr: Any = None, **_: Any):
         self.handshake, self.kv_mgr, self.initialised = handshake, mgr, False
@@ -40,13 +42,13 @@ class Receiver(fakes._Recording):
 
     @property
     def conclude_state(self) -> Any:
-        return KVPoll.Failed if self.initialised and self.handshake == FAILED else None
+        return KVPoll.Failed if self.handshake == FAILED else None
 
     def init(self, prefill_dp_rank: int, *args: Any, **kw: Any) -> None:
         self.initialised = True
 
     def poll(self) -> int:
-        return self.handshake if self.initialised else BOOTSTRAPPING
+        return self.handshake if self.initialised else min(self.handshake, BOOTSTRAPPING)
 
     def failure_exception(self) -> None:
         raise RuntimeError("handshake failed (scenario input)")

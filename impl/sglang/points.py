@@ -321,10 +321,12 @@ def _show(rec: Sequence[tuple[str, int]], i: int, names: Sequence[str] = ()) -> 
     return f"{name}{rec[i][0].upper()} shape {rec[i][1]}"
 
 
-def compare(sc: Scenario, variant: str, run: Run) -> dict:
-    """The row's verdict: the spec's run of ``variant`` (cut to the covered points) on the
-    scenario against what the release's code did."""
-    v = covered(ITER_VARIANTS[variant], sc.side)
+def compare(sc: Scenario, variant: str | IterVariant, run: Run) -> dict:
+    """The row's verdict: the spec's run of ``variant`` (a name in ITER_VARIANTS, or a
+    configuration of the spec's points) cut to the covered points, on the scenario,
+    against what the release's code did."""
+    v = covered(ITER_VARIANTS[variant] if isinstance(variant, str) else variant, sc.side)
+    variant = v.name
     inputs = {n: sc.inputs[n] for n in v.inputs()}
     check_inputs(v, inputs, sc.ranks, sc.requests)
     res = run_iteration(v, sc.stages, inputs)

@@ -25,6 +25,7 @@ release's variant, and against the strict variants (``--variant``).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ import torch
 from impl.sglang import points, threadgroup as tg
 from impl.sglang.wheels import PINNED
 from model.cli import main
+from model.spec.iteration import ITER_VARIANTS, STRICT_PREALLOC, IterVariant
 
 EXPECTED = {
     "all-proceed": "m m m m m m", "bootstrapping": "m m m m m m", "handshake-fail-one": "m m m m m m",
@@ -190,3 +192,31 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def _pending_in_the_min(name: str) -> IterVariant:
+    """The release's variant with its prealloc MIN holding the pending requests too,
+    capped at Bootstrapping until their dp rank resolves: STRICT_PREALLOC's members and
+    gate with the release's skip (spec points reused, nothing new)."""
+    v = ITER_VARIANTS[name]
+    skip = next(p.skip for p in v.points if p.name == "prealloc_poll")
+    return IterVariant(f"{name}+pending", v.releases, tuple(
+        replace(STRICT_PREALLOC, skip=skip) if p.name == "prealloc_poll" else p for p in v.points))
+
+
+def test_with_the_pending_requests_in_the_min_every_decode_difference_but_head_of_line_goes(rows):
+    """What resolve-split and the random decode rows show: the releases poll a pending
+    request's receiver in the prealloc MIN (Bootstrapping, or Failed, before ``init``).
+    Configured so, each release's variant matches or reproduces on every decode scenario
+    except the FIFO admission's head-of-line one."""
+    scenarios = {(s.name, s.side): s for s in points.fixed_scenarios() + points.random_scenarios(0, 6)}
+    left = set()
+    for r in rows:
+        if r["side"] != "decode":
+            continue
+        other = points.compare(scenarios[(r["scenario"], "decode")], _pending_in_the_min(r["variant"]), r["run"])
+        if other["verdict"] == "differs":
+            left.add((r["scenario"], other["detail"]))
+        if r["scenario"] == "resolve-split":      # no hang: the split resolution is a split stage
+            assert (other["verdict"], other["invariant"]) == ("reproduces", "stages_agree"), other
+    assert left == {("fits-head-of-line", "rank 0 request 1: spec TRANSFER, release READY")}
