@@ -168,11 +168,12 @@ class _Address:
         return f"{self.host}:{self.port}"
 
 
-def load(version: str) -> Loaded:
-    """The release's decode and prefill modules through the stub layer, their
-    collectives on the thread groups (their log quiet: a failed handshake logs)."""
+def load(version: str, source: str | None = None) -> Loaded:
+    """The release's decode and prefill modules through the stub layer (``source``: a
+    tree whose modules replace the wheel's, e.g. edited), their collectives on the
+    thread groups (their log quiet: a failed handshake logs)."""
     logging.getLogger("sglang").setLevel(logging.CRITICAL + 1)
-    wheel = open_wheel(version)
+    wheel = open_wheel(version, source)
     args, parallel = pf.server_args(), [None]
     provided = fakes.provided(args, parallel)
     provided["sglang.srt.utils.network"] = {"NetworkAddress": _Address}
@@ -388,14 +389,14 @@ def collectives_agree_of(run: Run) -> list[int]:
 
 
 def check(versions: Sequence[str], scenarios: Sequence[Scenario], *, variant: str | None = None,
-          timeout_s: float = 2.0) -> list[dict]:
+          timeout_s: float = 2.0, source: str | None = None) -> list[dict]:
     """Every release on every scenario; ``variant``: compare with it instead of the
     release's own (for the decode scenarios, or the prefill ones when it is a prefill
     variant): a wrong variant must differ. Each row keeps its ``run`` (``compare`` it
     with another variant without running the release again)."""
     rows = []
     for version in versions:
-        rel = load(version)
+        rel = load(version, source)
         for sc in scenarios:
             name = variant if variant and (ITER_VARIANTS[variant].stages is S) == (sc.side == "decode") \
                 else variant_of(version, sc.side)

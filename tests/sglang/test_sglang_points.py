@@ -125,6 +125,33 @@ def test_the_variant_flag_compares_with_that_variant():
     assert (row["variant"], row["verdict"]) == ("iter-0.5.12", "differs")
 
 
+# a release's source edited at one mechanism: the run is its code, so the verdict moves
+EDITS = {
+    # 0.5.13 without its local-Failed poll: it skips a READY queue as 0.5.12 does
+    ("0.5.13", "ready-fail-one"): ("sglang/srt/disaggregation/decode.py",
+                                   "decode_req.kv_receiver.conclude_state == KVPoll.Failed", "False",
+                                   "rank 0 collective 0: spec prealloc_poll MIN shape 1, release nothing"),
+    # 0.5.23's prefill keeping a bootstrapped request it has a buffer for
+    ("0.5.23", "boot-ready"): ("sglang/srt/disaggregation/prefill.py",
+                               "elif not self.finalize_bootstrap(req):", "elif True:",
+                               "rank 0 request 0: spec WAITING, release BOOTSTRAP"),
+}
+
+
+@pytest.mark.parametrize("version, scenario", sorted(EDITS))
+def test_an_edited_release_source_differs_from_its_variant(rows, tmp_path, version, scenario):
+    from impl.sglang.wheels import open_wheel
+    name, old, new, detail = EDITS[(version, scenario)]
+    text = open_wheel(version).member(name)
+    assert text.count(old) == 1
+    (tmp_path / name).parent.mkdir(parents=True)
+    (tmp_path / name).write_text(text.replace(old, new))
+    sc = next(s for s in points.fixed_scenarios() if s.name == scenario)
+    [row] = points.check([version], [sc], source=str(tmp_path))
+    assert (row["verdict"], row["detail"]) == ("differs", detail), row
+    assert next(r for r in rows if (r["release"], r["scenario"]) == (version, scenario))["verdict"] != "differs"
+
+
 def test_the_free_buffers_mean_no_buffer_for_the_later_askers():
     stages = [[1, 1, 1], [1, 1, 0]]
     # request 1 polls Bootstrapping on rank 1: only 0 and 2 ask on rank 0, 0 on rank 1
