@@ -353,7 +353,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--points", action="store_true",
                    help="run each release's own pop_preallocated / pop_bootstrapped on T thread "
                         "ranks against its iter-* / prefill-* variant (impl/sglang/points.py); "
-                        "takes --sglang, --variant (an iteration variant), --json, --seed, --random")
+                        "takes --sglang, --variant (an iteration variant), --json, --seed, --random, and "
+                        "TRACE: iteration traces (pdgate prove's iter-*/prefill-* cex), one "
+                        "scenario per iteration")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="with --points: the seed of the random scenarios (default 0)")
     p.add_argument("--random", type=int, default=6, metavar="N",

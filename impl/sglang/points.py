@@ -24,14 +24,14 @@ from typing import Any, Sequence
 from impl.sglang import fakes, pointfakes as pf, stubs, threadgroup as tg
 from impl.sglang.iteration_facts import MODELLED_BY, PREFILL_VARIANT
 from impl.sglang.pointscenarios import (DECODE_START, Scenario, fixed_scenarios, no_buffer,
-                                        random_scenarios)
+                                        random_scenarios, trace_scenarios)
 from impl.sglang.wheels import open_wheel
 from model.spec.agreement import Stage
 from model.spec.iteration import (ITER_VARIANTS, IterVariant, PStage, check_inputs,
                                   iteration_violations, run_iteration, stages_agree)
 
 __all__ = ["Scenario", "check", "compare", "fixed_scenarios", "load", "no_buffer",
-           "random_scenarios", "run_points", "run_release", "table"]
+           "random_scenarios", "run_points", "run_release", "table", "trace_scenarios"]
 
 S, P = Stage, PStage
 # the points each queue method runs, in the variants' names
@@ -191,7 +191,7 @@ def _prefill_places(q: Any, reqs: list[Any], out: Any, start: Sequence[int]) -> 
     return [int(x) for x in places]
 
 
-def run_release(rel: Loaded, sc: Scenario, timeout_s: float = 2.0) -> Run:
+def run_release(rel: Loaded, sc: Scenario, timeout_s: float = 5.0) -> Run:
     """The release's own queue method on every rank, one thread each."""
     hub = tg.Hub(sc.ranks, timeout_s)
     if sc.side == "decode":
@@ -292,21 +292,23 @@ def collectives_agree_of(run: Run) -> list[int]:
 
 
 def check(versions: Sequence[str], scenarios: Sequence[Scenario], *, variant: str | None = None,
-          timeout_s: float = 2.0, source: str | None = None) -> list[dict]:
+          timeout_s: float = 5.0, source: str | None = None) -> list[dict]:
     """Every release on every scenario; ``variant``: compare with it instead of the
     release's own (for the decode scenarios, or the prefill ones when it is a prefill
     variant): a wrong variant must differ. Each row keeps its ``run`` (``compare`` it
     with another variant without running the release again)."""
     rows = []
-    for version in versions:
-        rel = load(version, source)
-        for sc in scenarios:
-            name = variant if variant and (ITER_VARIANTS[variant].stages is S) == (sc.side == "decode") \
-                else variant_of(version, sc.side)
-            run = run_release(rel, sc, timeout_s)
-            rows.append({"release": version, **compare(sc, name, run),
-                         "stub_reads": rel.recorder.reads, "run": run})
-    stubs.purge()
+    try:
+        for version in versions:
+            rel = load(version, source)
+            for sc in scenarios:
+                name = variant if variant and (ITER_VARIANTS[variant].stages is S) == (sc.side == "decode") \
+                    else variant_of(version, sc.side)
+                run = run_release(rel, sc, timeout_s)
+                rows.append({"release": version, **compare(sc, name, run),
+                             "stub_reads": rel.recorder.reads, "run": run})
+    finally:
+        stubs.purge()               # the next import of sglang is nobody's release
     return rows
 
 
@@ -326,7 +328,7 @@ def table(rows: Sequence[dict]) -> list[str]:
 
 
 # -- pdgate conform --points ------------------------------------------------------------
-_NOT_WITH_POINTS = ("trace", "swap", "patch", "deferred", "source", "emit_diff", "local_release",
+_NOT_WITH_POINTS = ("swap", "patch", "deferred", "source", "emit_diff", "local_release",
                     "reorder_rooms", "reads")
 
 
@@ -348,7 +350,8 @@ def _points_args(args: Any) -> tuple[list[str], list[Scenario]]:
     if unknown:
         raise ValueError(f"--points: no iteration variant models {', '.join(unknown)} "
                          f"(modelled: {', '.join(MODELLED_BY)})")
-    return versions, fixed_scenarios() + random_scenarios(args.seed, args.random)
+    traced = [sc for path in args.trace for sc in trace_scenarios(path, COVERED)]
+    return versions, fixed_scenarios() + random_scenarios(args.seed, args.random) + traced
 
 
 def run_points(args: Any) -> int:
@@ -357,15 +360,21 @@ def run_points(args: Any) -> int:
     import sys
     from pathlib import Path
     from impl.sglang.wheels import MissingRelease
+    from model.spec.trace import TraceInputError
     try:
         versions, scenarios = _points_args(args)
         if args.json:
             Path(args.json).open("a", encoding="utf-8").close()      # writable before any work
-    except (ValueError, MissingRelease, OSError) as exc:
+    except (ValueError, MissingRelease, OSError, TraceInputError) as exc:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"pdgate conform: {msg}", file=sys.stderr)
         return 2
-    rows = check(versions, scenarios, variant=args.variant, timeout_s=min(args.collective_timeout, 2.0))
+    try:
+        rows = check(versions, scenarios, variant=args.variant, timeout_s=args.collective_timeout)
+    except Exception as exc:          # the harness itself failed (a release it cannot build): one line
+        print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
     for line in table(rows):
         print(line)
     if args.json:

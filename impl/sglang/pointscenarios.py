@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from model.spec.agreement import Stage
 from model.spec.iteration import INPUTS, PStage
@@ -112,3 +113,43 @@ def random_scenarios(seed: int, count: int) -> list[Scenario]:
                 out.append(prefill_scenario(name, stages, pick("bootstrap"),
                                             [rng.choice((0, 1, 2)) for _ in range(ranks)]))
     return out
+
+
+# -- the spec's own counterexamples (pdgate prove --traces) -----------------------------
+def trace_scenarios(path: str, covered: dict[str, tuple[str, ...]]) -> list[Scenario]:
+    """One scenario per iteration of an iteration trace (``pdgate prove``'s cex traces):
+    the stages every rank holds where the iteration reaches the first point of
+    ``covered`` that its variant has, and the iteration's inputs. A prefill iteration
+    whose ``no_buffer`` no count of free buffers gives (``no_buffer``) is left out.
+    TraceInputError (one line) where the trace is malformed or not the spec's."""
+    from model.spec.iteration import get_iter_variant, run_iteration
+    from model.spec.itertrace import validate_iterations
+    from model.spec.trace import TraceInputError, read_records, read_trace_file
+
+    def parse(lines: Any) -> list[Scenario]:
+        lines = list(lines)
+        check = validate_iterations(lines)
+        if not check.ok:
+            raise TraceInputError(f"{path}: {check.message}")
+        records = [obj for _, obj in read_records(lines)]
+        v = get_iter_variant(records[0]["variant"])
+        side = "decode" if v.stages is Stage else "prefill"
+        first = next(i for i, p in enumerate(v.points) if p.name in covered[side])
+        stages = tuple(tuple(0 for _ in range(records[0]["requests"])) for _ in range(records[0]["ranks"]))
+        out = []
+        for obj in (o for o in records if o.get("kind") == "iteration"):
+            res = run_iteration(v, stages, obj["inputs"])
+            before, inp = res.points[first].before, obj["inputs"]
+            name = f"{Path(path).stem}#{obj['i']}"
+            if side == "decode":
+                out.append(decode_scenario(name, before, **{n: inp[n] for n in ("resolved", "handshake", "fits")}))
+            else:
+                free = [sum(1 for r, s in enumerate(row) if s == P.BOOTSTRAP and not inp["no_buffer"][k][r])
+                        for k, row in enumerate(before)]
+                sc = prefill_scenario(name, before, inp["bootstrap"], free)
+                if sc.inputs["no_buffer"] == [list(r) for r in inp["no_buffer"]] or not any(
+                        s == P.BOOTSTRAP for row in before for s in row):
+                    out.append(sc)
+            stages = res.stages
+        return out
+    return read_trace_file(path, parse)

@@ -19,8 +19,12 @@ m matches, d differs, r:I reproduces invariant I), releases 0.5.12 0.5.13 0.5.18
 | prefill boot-queue-split | r:collectives_agree x6 | the empty-queue early return |
 | prefill no-buffer-then-fail | d m m m m m | 0.5.12 ``break``s at the missing buffer, so a later Failed request stays queued |
 
+Seeded random scenarios (seed 0): the expected string per release below; `pdgate prove`'s
+iter-0.5.13 / prefill-0.5.12 cex traces as scenarios on 0.5.13.
+
 Siblings where the same comparison says ``differs``: a release's code against another
-release's variant, and against the strict variants (``--variant``).
+release's variant and against the strict variants (``--variant``), and a release's
+source edited at one mechanism (``source=``).
 """
 from __future__ import annotations
 
@@ -156,6 +160,37 @@ def test_the_free_buffers_mean_no_buffer_for_the_later_askers():
     stages = [[1, 1, 1], [1, 1, 0]]
     # request 1 polls Bootstrapping on rank 1: only 0 and 2 ask on rank 0, 0 on rank 1
     assert points.no_buffer(stages, [[2, 2, 2], [2, 1, 2]], [1, 0]) == [[0, 0, 1], [1, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def cex_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cex")
+    assert main(["prove", "--variant", "iter-0.5.13", "--variant", "prefill-0.5.12", "--only", "cex:point:prealloc",
+                 "--only", "cex:collectives_agree", "--only", "cex:point:admission", "--traces", str(out),
+                 "--jobs", "1"]) == 0
+    return out
+
+
+def test_the_spec_counterexamples_run_as_scenarios(cex_dir):
+    """pdgate prove's cex traces, one scenario per iteration, on the release its variant
+    models: the release's code reproduces the local-Failed skip's hang and the split
+    admission, and shows the resolution counterexample is not what it does."""
+    paths = sorted(cex_dir.glob("*.jsonl"))
+    scenarios = [sc for p in paths for sc in points.trace_scenarios(str(p), points.COVERED)]
+    got = {r["scenario"]: (_code(r), r["detail"]) for r in points.check(["0.5.13"], scenarios)}
+    assert got["iter-0.5.13.cex-point-prealloc_poll#1"][0] == "r:collectives_agree"
+    assert got["iter-0.5.13.cex-point-admission#0"][0] == "r:stages_agree"
+    assert got["iter-0.5.13.cex-collectives_agree#0"] == \
+        ("d", "rank 1 collective 0: spec nothing, release MIN shape 1")
+    assert got["prefill-0.5.12.cex-collectives_agree#0"][0] == "r:no_local_decision_after_min"
+
+
+def test_a_trace_that_is_not_an_iteration_trace_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"kind":"header","format":"pdgate-trace"}\n')
+    assert main(["conform", "--points", "--sglang", "0.5.23", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "pdgate-iteration header" in err and len(err.strip().splitlines()) == 1, err
 
 
 # -- the fake gloo group ----------------------------------------------------------------
