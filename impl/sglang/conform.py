@@ -356,9 +356,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "takes --sglang, --variant (an iteration variant), --json, --seed, --random, and "
                         "TRACE: iteration traces (pdgate prove's iter-*/prefill-* cex), one "
                         "scenario per iteration")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
+    p.add_argument("--seed", type=int, metavar="S",
                    help="with --points: the seed of the random scenarios (default 0)")
-    p.add_argument("--random", type=int, default=6, metavar="N",
+    p.add_argument("--random", type=int, metavar="N",
                    help="with --points: N random decode and N random prefill scenarios (default 6)")
 
 
@@ -379,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
         from impl.sglang.points import run_points
         return run_points(args)
     try:
+        if args.seed is not None or args.random is not None:
+            raise ConformInputError("--seed and --random need --points")
         if args.swap and args.patch:
             raise ConformInputError("--swap and --patch exclude each other")
         if args.deferred and args.patch:

@@ -341,6 +341,8 @@ def _points_args(args: Any) -> tuple[list[str], list[Scenario]]:
     if args.variant is not None and args.variant not in ITER_VARIANTS:
         raise ValueError(f"--points: unknown iteration variant {args.variant!r} "
                          f"(known: {', '.join(ITER_VARIANTS)})")
+    args.seed = 0 if args.seed is None else args.seed
+    args.random = 6 if args.random is None else args.random
     if not 0 <= args.random <= 1000:
         raise ValueError("--random must be in [0, 1000]")
     if not 0 < args.collective_timeout <= 600:

@@ -243,6 +243,11 @@ def test_the_command_prints_the_table_and_exits_1_where_a_release_differs(tmp_pa
     assert out.read_text().count('"scenario"') == 16
 
 
+def test_seed_without_points_is_refused(capsys):
+    assert main(["conform", "--sglang", "0.5.23", "--seed", "3"]) == 2
+    assert "--seed and --random need --points" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--variant", "gate"], "unknown iteration variant 'gate'"),
     (["--swap"], "--points does not combine with --swap"),
