@@ -87,6 +87,7 @@ class PPVariant:
     stages: type[IntEnum]
     initial: int                 # every request's stage at the start (already queued)
     done: int                    # where the nonvacuity witness takes a request
+    transient: tuple[int, ...] = ()   # stages a request leaves within the iteration it enters
 
     def inputs(self) -> tuple[str, ...]:
         names = [n for p in self.points for n in (p.input, p.gate, p.veto) if n]
@@ -94,9 +95,10 @@ class PPVariant:
 
 
 PP_VARIANTS: dict[str, PPVariant] = {v.name: v for v in (
-    PPVariant("pp-0.5.12", "SGLang 0.5.12 (decode, pp > 1)", (CONSENSUS, POP), QStage, Q.TRANSFER, Q.PREBUILT),
+    PPVariant("pp-0.5.12", "SGLang 0.5.12 (decode, pp > 1)", (CONSENSUS, POP), QStage, Q.TRANSFER, Q.PREBUILT,
+              (Q.CHECKED,)),
     PPVariant("pp-0.5.13", "SGLang 0.5.13 to 0.5.23 (decode, pp > 1)", (CONSENSUS, POP_GATED), QStage,
-              Q.TRANSFER, Q.PREBUILT),
+              Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
     PPVariant("pp-strict", "this project (decode, pp > 1)", (STRICT_TRANSFER,), QStage, Q.TRANSFER, Q.PREBUILT),
     PPVariant("pp-prefill-0.5.23", "SGLang 0.5.23 (prefill, pp > 1)", (PP0_BOOTSTRAP,), PStage,
               PStage.BOOTSTRAP, PStage.WAITING),
