@@ -258,6 +258,17 @@ def positions_agree(res: PipelineResult, v: PPVariant) -> list[Violation]:
     return []
 
 
+def rows_agree(res: PipelineResult, v: PPVariant) -> list[Violation]:
+    """stages_agree over every (stage, rank), its rows named by stage and rank."""
+    t = len(res.stages) // res.pp
+    out = stages_agree(res.stages, v.stages)
+    for x in out:
+        k, r = x.ranks[1], x.reqs[0]
+        out = [Violation(x.invariant, f"request {r}: {_where(0, t)} {v.stages(res.stages[0][r]).name}, "
+                         f"{_where(k, t)} {v.stages(res.stages[k][r]).name}", x.ranks, x.reqs)]
+    return out
+
+
 def pipeline_violations(res: PipelineResult, v: PPVariant) -> list[Violation]:
     """Every invariant this iteration breaks, in PP_NAMES order."""
-    return [*collectives_agree(res), *positions_agree(res, v), *stages_agree(res.stages, v.stages)]
+    return [*collectives_agree(res), *positions_agree(res, v), *rows_agree(res, v)]
