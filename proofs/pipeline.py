@@ -30,7 +30,7 @@ from typing import Callable
 
 import z3
 
-from model.encoding.iteration import Query, refines
+from model.encoding.iteration import Z3F, Query, refines
 from model.encoding.pipeline import (PipelineUnbounded, broken_at, concrete_pp_inputs, preserves_pp,
                                      unroll_pp)
 from model.encoding.solver import Solver
@@ -39,7 +39,7 @@ from model.spec.agreement import Across, is_member
 from model.spec.iteration import INPUTS
 from model.spec.itertrace import IterationTraceWriter
 from model.spec.pipeline import (PP_VARIANTS, PPVariant, initial_pp_stages, pipeline_violations,
-                                 run_pipeline)
+                                 positions, run_pipeline)
 from proofs.obligations import Obligation, Outcome, Settings
 
 PP, MAX_PP_RANKS, MAX_PP_REQS, MAX_PP_ITERATIONS = 2, 2, 2, 2
@@ -91,9 +91,17 @@ def _cex_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
         calm = [x != 0 for inp in u.inputs[:i + 1] for row in inp["transfer"] for x in row]
         return z3.And(*calm, broken_at(u, i, "stages_agree"))
     if ob.arg == "shifted":            # every send met by a receive, yet a position holds another request
-        met = [issued[k] == issued[k - u.ranks] for p, _, _, issued, _ in u.steps[i] if p.across is Across.PP0
-               for k in range(u.ranks, u.pp * u.ranks)]
-        return z3.And(*met, broken_at(u, i, "positions_agree"))
+        met, lands = [], []
+        for p, before, _, issued, _ in u.steps[i]:
+            if p.across is not Across.PP0:
+                continue
+            t = u.ranks
+            for k in range(t, u.pp * t):
+                met.append(issued[k] == issued[k - t])
+                pos, pos0 = positions(p, before[k], Z3F), positions(p, before[k % t], Z3F)
+                lands += [z3.And(is_member(p, before[k][r], Z3OPS), is_member(p, before[k % t][r0], Z3OPS),
+                                 pos[r] == pos0[r0]) for r in range(u.reqs) for r0 in range(u.reqs) if r != r0]
+        return z3.And(*met, z3.Or(lands) if lands else z3.BoolVal(False))
     return broken_at(u, i, ob.arg)
 
 
