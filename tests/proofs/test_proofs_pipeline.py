@@ -79,3 +79,13 @@ def test_the_pipeline_mutants_are_killed_by_the_rows_they_name():
     for m in PIPELINE_MUTANTS:
         if m.name in quick:
             assert got[m.name].killed and got[m.name].caught_by == list(m.first), got[m.name]
+
+
+@pytest.mark.parametrize("variant", ["pp-0.5.13", "pp-strict"])
+def test_refinement_holds_on_more_samples_than_prove_runs(monkeypatch, tmp_path, variant):
+    import proofs.pipeline as pipeline
+    from proofs.obligations import Settings
+    monkeypatch.setattr(pipeline, "REFINE_SAMPLES", 6)
+    ob = next(o for o in pipeline_obligations() if o.obligation == "refines:pipeline" and o.variant == variant)
+    out = ob.check(ob, Settings(tmp_path))
+    assert out.result == "proved" and out.detail.startswith("14 states"), out.detail
