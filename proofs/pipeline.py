@@ -164,7 +164,8 @@ def _export(ob: Obligation, st: Settings, v: PPVariant, ranks: int, reqs: int, i
         elif found:
             return Outcome("replay mismatch", f"the witness breaks {found[0].invariant}")
         w.end(len(inputs))
-    detail = claim[0].detail if ob.expected == "counterexample" else "a request gets there on every (stage, rank); the gate held it once"
+    detail = (claim[0].detail if ob.expected == "counterexample"
+              else "a request gets there on every (stage, rank); the gate held it once")
     return Outcome(ob.expected, f"{PP} stages T={ranks} N={reqs}, {len(inputs)} iterations: {detail}", str(path))
 
 
@@ -201,7 +202,8 @@ def _refines(ob: Obligation, st: Settings) -> Outcome:
                 return Outcome("refinement mismatch" if q.result.status == "sat" else q.result.status,
                                f"{PP} stages T={ranks} N={reqs} stages {stages} inputs {inputs}: the "
                                "encoding allows another successor")
-    return Outcome("proved", f"{n} states and inputs (1 per size directed, the rest random): the unbounded encoding allows exactly the "
+    return Outcome("proved", f"{n} states and inputs (1 per size directed, the rest random): "
+                   "the unbounded encoding allows exactly the "
                    "spec's stages and issues after every point")
 
 

@@ -79,7 +79,8 @@ def _header(obj: Any, line: int, variant: str | None) -> tuple[_Replay, int, int
     ranks, reqs = _int(obj, "ranks", line, 1, MAX_RANKS), _int(obj, "requests", line, 1, MAX_REQUESTS)
     pp = _int(obj, "stages", line, 1, MAX_RANKS) if name in PP_VARIANTS else 1
     if pp * ranks * reqs > MAX_RANK_SLOTS:
-        raise TraceFormatError(line, f"header: stages x ranks x requests = {pp * ranks * reqs} exceeds {MAX_RANK_SLOTS}")
+        raise TraceFormatError(line, f"header: stages x ranks x requests = {pp * ranks * reqs} "
+                               f"exceeds {MAX_RANK_SLOTS}")
     if name in PP_VARIANTS:
         pv = PP_VARIANTS[name]
         return _Replay(name, initial_pp_stages(pv, pp, ranks, reqs), lambda st, inp: run_pipeline(pv, pp, st, inp),

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 from model.spec.agreement import Across, Op, Point, Skip, any_of, is_member, issues, triggers
 from model.spec.invariants import Violation
 from model.spec.iteration import (INPUTS, PYF, Folds, Inputs, PointResult, PStage, Record, Stages,
-                                  act, point_values, stages_agree)
+                                  act, apply_point, point_values, stages_agree)
 
 STAY = -2        # a value no point moves on: "not in the consensus / no forwarded value"
 PP_NAMES = ("collectives_agree", "positions_agree", "stages_agree")
@@ -158,7 +158,7 @@ def apply_pp_point(p: Point, pp: int, stages: Sequence[Sequence[Any]], inputs: I
     """One point on every (stage, rank): next stages, who issued, shapes, the op recorded."""
     ops, t = f.ops, len(stages) // pp
     if p.across is Across.ALL:
-        after, issued, shapes = _apply_all(p, stages, inputs, f)
+        after, issued, shapes = apply_point(p, stages, inputs, f)
         return after, issued, shapes, [p.op.value] * len(stages)
     groups = [(_rows(stages, s, t), _group_inputs(inputs, s, t)) for s in range(pp)]
     vals = [point_values(p, rows, inp, f) for rows, inp in groups]
@@ -186,11 +186,6 @@ def apply_pp_point(p: Point, pp: int, stages: Sequence[Sequence[Any]], inputs: I
         issued += issued_by[s]
         shapes += vals[s][1]
     return tuple(after), tuple(issued), shapes, ops_used
-
-
-def _apply_all(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs, f: Folds) -> tuple:
-    issued, shapes, reduced = point_values(p, stages, inputs, f)
-    return act(p, stages, inputs, issued, reduced, f), issued, shapes
 
 
 def run_pipeline(v: PPVariant, pp: int, stages: Stages, inputs: Inputs) -> PipelineResult:

@@ -146,3 +146,17 @@ def test_pp_trace_headers_need_their_stage_count():
     del head["stages"]
     with pytest.raises(TraceFormatError, match="stages"):
         validate_iterations([json.dumps(head)])
+
+
+def test_one_stage_is_one_tp_group_and_the_releases_agree_there():
+    """With pp = 1 the ring and the second MIN read one TP group's MIN: agreement holds,
+    so every break above is one between stages."""
+    rng = random.Random(3)
+    for name in ("pp-0.5.12", "pp-0.5.13"):
+        v = PP_VARIANTS[name]
+        for _ in range(100):
+            t, n = rng.randint(1, 3), rng.randint(1, 3)
+            inp = {x: [[rng.choice(INPUTS[x]) for _ in range(n)] for _ in range(t)] for x in v.inputs()}
+            res = run_pipeline(v, 1, initial_pp_stages(v, 1, t, n), inp)
+            assert pipeline_violations(res, v) == []
+            assert Q.CHECKED not in {x for row in res.stages for x in row}
