@@ -74,7 +74,9 @@ def test_the_same_query_says_no_for_the_releases_and_yes_for_strict():
 
 
 def test_the_pipeline_mutants_are_killed_by_the_rows_they_name():
-    quick = [m.name for m in PIPELINE_MUTANTS if m.name not in ("pp-strict-per-stage", "pp-0.5.12-no-ring")]
+    # the three whose unbounded query times out (~20 s) first run in test_proofs_mutants.py
+    slow = ("pp-strict-per-stage", "pp-0.5.12-no-ring", "pp-prefill-strict-buffer-veto")
+    quick = [m.name for m in PIPELINE_MUTANTS if m.name not in slow]
     got = {r.name: r for r in run_all(quick)}
     for m in PIPELINE_MUTANTS:
         if m.name in quick:
