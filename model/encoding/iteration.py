@@ -115,16 +115,19 @@ class Unbounded:
             issued = lambda k: issues(p, z3.BoolVal(False), Z3OPS)
         contrib = memo(lambda k, r: contribution(p, issued(k), st(k, r), val(p.input, k, r),
                                                  val(p.gate, k, r), Z3OPS))
-        if p.op in (Op.MIN, Op.MAX):
-            red = self.reduction(p.name, p.op, contrib)
-            reduced = lambda k, r: red(r)
-        elif p.op is Op.LOCAL:
-            reduced = contrib
-        else:                                           # rank 0's
-            reduced = lambda k, r: contrib(self.root, r)
+        reduced = self.reduced(p, contrib)
         after = memo(lambda k, r: next_stage(p, issued(k), st(k, r), reduced(k, r),
                                              val(p.veto, k, r), Z3OPS))
         return after, issued
+
+    def reduced(self, p: Point, contrib: StageFn) -> StageFn:
+        """The value each rank acts on per request, from every rank's contribution."""
+        if p.op in (Op.MIN, Op.MAX):
+            red = self.reduction(p.name, p.op, contrib)
+            return lambda k, r: red(r)
+        if p.op is Op.LOCAL:
+            return contrib
+        return lambda k, r: contrib(self.root, r)      # rank 0's
 
     def iteration(self, v: IterVariant, st: StageFn, inp: dict[str, StageFn],
                   points: Sequence[Point] | None = None) -> list[tuple[Point, StageFn, StageFn, Callable]]:
@@ -208,12 +211,14 @@ def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
 
 
 def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, Sequence[Sequence[int]]],
-            want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000) -> Query:
+            want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000,
+            u: Unbounded | None = None) -> Query:
     """The unbounded encoding, read over exactly these ranks and requests with this
     state and these inputs, allows nothing but ``want`` (per point: the spec's stages
-    after it and who issued it)? unsat = it agrees with the spec here."""
+    after it and who issued it)? unsat = it agrees with the spec here. ``u``: an exact
+    universe of that size (default: a plain one)."""
     ranks, reqs = len(stages), len(stages[0])
-    u = Unbounded((ranks, reqs))
+    u = u or Unbounded((ranks, reqs))
     st, inp = u.stage_fn("0"), u.inputs(v, "0")
     ks, rs = u.ranks, u.reqs
     fixed = [st(ks[k], rs[r]) == stages[k][r] for k in range(ranks) for r in range(reqs)]
