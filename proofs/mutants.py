@@ -23,7 +23,7 @@ MUTANT_DEADLINE_S = 600.0     # one mutant: the whole suite is far quicker than 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    area: str                       # kernel, variant, machine, min, encoding, lemmas, iteration, agreement
+    area: str                       # kernel, variant, machine, min, encoding, lemmas, iteration, agreement, pipeline
     bug: str                        # what it gets wrong, in words
     apply: Callable[[], None]       # patches the running process
     first: tuple[str, ...] = ()     # obligation keys (obligation@variant) to try first
@@ -448,6 +448,63 @@ ITERATION_MUTANTS: list[Mutant] = [
            ("safety:point:waiting_bootstrap@prefill-0.5.18",)),
 ]
 MUTANTS += ITERATION_MUTANTS
+
+
+# -- pipeline parallel's mutants (model/spec/pipeline.py, model/encoding/pipeline.py) ------
+def _pp_point(variant: str, point: str, **changes: Any) -> Callable[[], None]:
+    """Change one point of one pipeline variant; an ``across`` is given by its value."""
+    def apply() -> None:
+        from model.spec.agreement import Across
+        from model.spec.pipeline import PP_VARIANTS
+        if "across" in changes:
+            changes["across"] = Across(changes["across"])
+        v = PP_VARIANTS[variant]
+        PP_VARIANTS[variant] = replace(v, points=tuple(replace(p, **changes) if p.name == point else p
+                                                       for p in v.points))
+    return apply
+
+
+def _pp_drop_witness(method: str) -> Callable[[], None]:
+    """A pipeline skolem (a stage's MIN witness rank, or the ring's witness stage) loses
+    its axiom (each adds it last)."""
+    def apply() -> None:
+        from model.encoding import pipeline
+        original = getattr(pipeline.PipelineUnbounded, method)
+
+        def weakened(self, *args):
+            out = original(self, *args)
+            del self.axioms[-1]
+            return out
+        setattr(pipeline.PipelineUnbounded, method, weakened)
+    return apply
+
+
+def _positions_agree_trivial() -> None:
+    from model.spec import pipeline
+    _replace_everywhere(pipeline.positions_agree, lambda res, v: [])
+
+
+PIPELINE_MUTANTS: list[Mutant] = [
+    Mutant("pp-strict-per-stage", "pipeline", "strict's transfer MIN reduces over each stage's TP group only",
+           _pp_point("pp-strict", "transfer_poll", across="group"), ("safety:pp_agree@pp-strict",)),
+    Mutant("pp-strict-no-gate", "pipeline", "strict's MIN takes Success from a rank whose metadata has not landed",
+           _pp_point("pp-strict", "transfer_poll", gate=None), ("nonvacuous:pipeline@pp-strict",)),
+    Mutant("pp-0.5.13-second-min-ungated", "pipeline", "0.5.13's second MIN is modelled ungated (as 0.5.12)",
+           _pp_point("pp-0.5.13", "transfer_poll", gate=None), ("induction:pp_agree_no_failure@pp-0.5.13",)),
+    Mutant("pp-0.5.12-no-ring", "pipeline", "0.5.12's consensus is each stage's own (no ring intersection)",
+           _pp_point("pp-0.5.12", "transfer_consensus", across="group"),
+           ("safety:pp_agree_no_failure@pp-0.5.12",)),
+    Mutant("pp-prefill-strict-buffer-veto", "pipeline", "strict prefill keeps a request without a metadata buffer after the MIN",
+           _pp_point("pp-prefill-strict", "bootstrap_poll", gate=None, veto="no_buffer", veto_value=2),
+           ("safety:pp_agree@pp-prefill-strict",)),
+    Mutant("pp-encoding-ring-no-witness", "encoding", "unbounded ring: 'every stage moves it' may fail with none failing",
+           _pp_drop_witness("ring"), ("refines:pipeline@pp-0.5.12",)),
+    Mutant("pp-encoding-stage-min-no-witness", "encoding", "unbounded stage MIN: a lower bound only",
+           _pp_drop_witness("group_reduction"), ("refines:pipeline@pp-0.5.12",)),
+    Mutant("pp-positions-agree-trivial", "pipeline", "the spec's positions_agree never reports",
+           _positions_agree_trivial, ("cex:positions_agree@pp-prefill-0.5.23",)),
+]
+MUTANTS += PIPELINE_MUTANTS
 
 
 @dataclass

@@ -350,6 +350,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timeout of every collective, seconds (default 3)")
     p.add_argument("--reads", action="store_true",
                    help="also print what each release read from the stub layer")
+    p.add_argument("--points", action="store_true",
+                   help="run each release's own pop_preallocated / pop_bootstrapped on T thread "
+                        "ranks against its iter-* / prefill-* variant (impl/sglang/points.py); "
+                        "takes --sglang, --variant (an iteration variant), --json, --seed, --random, and "
+                        "TRACE: iteration traces (pdgate prove's iter-*/prefill-* cex), one "
+                        "scenario per iteration")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="with --points: the seed of the random scenarios (default 0)")
+    p.add_argument("--random", type=int, metavar="N",
+                   help="with --points: N random decode and N random prefill scenarios (default 6)")
 
 
 def _versions(text: str) -> list[str]:
@@ -365,7 +375,12 @@ def _versions(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from impl.sglang.wheels import MissingRelease
+    if args.points:
+        from impl.sglang.points import run_points
+        return run_points(args)
     try:
+        if args.seed is not None or args.random is not None:
+            raise ConformInputError("--seed and --random need --points")
         if args.swap and args.patch:
             raise ConformInputError("--swap and --patch exclude each other")
         if args.deferred and args.patch:

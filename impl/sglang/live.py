@@ -8,8 +8,11 @@ and a PID namespace, so no server outlives it; impl/sglang/live_driver.py): firs
 same prompts with greedy sampling. The decode ranks log every protocol step
 (impl/sglang/live_site/live_hooks.py); their logs become one spec trace that
 ``pdgate validate`` replays. ``--late-room RANK:MS`` hides each request's metadata room
-on one decode rank for MS ms (``never``: for good); ``--patch strict`` installs
-``impl.sglang.patch`` in the decode worker.
+on one decode rank for MS ms (``never``: for good); ``--fail-send RANK`` makes every KV
+transfer to decode rank RANK fail in the prefill; ``--kill-prefill-s S`` kills the prefill
+S s after the requests are sent; ``--room-zero`` sends the first request with a
+``bootstrap_room`` of 0. ``--patch strict`` installs ``impl.sglang.patch`` in
+the decode worker and strict's prefill side (impl/sglang/prefill_patch.py) in the prefill.
 """
 from __future__ import annotations
 
@@ -81,7 +84,9 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
     result.unlink(missing_ok=True)
     conf = {"mode": mode, "work_dir": str(work), "model": str(model), "result": str(result),
             "prompts": prompts(cfg.requests), "max_new_tokens": cfg.max_new_tokens,
-            "start_timeout_s": cfg.start_timeout_s, "request_timeout_s": cfg.request_timeout_s}
+            "start_timeout_s": cfg.start_timeout_s, "request_timeout_s": cfg.request_timeout_s,
+            "kill_prefill_s": getattr(cfg, "kill_prefill_s", None),
+            "room_zero": bool(getattr(cfg, "room_zero", False))}
     (work / "config.json").write_text(json.dumps(conf))
     # user, network, PID and mount namespaces: only lo; the driver is the namespace's
     # init, so when it exits or is killed the kernel kills every server left in it
@@ -153,6 +158,22 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
             "cut_at_client_abort": cut}
 
 
+def _prefill_counts(folder: Path) -> dict[str, int] | None:
+    """What strict's prefill side did, over the prefill's processes that loaded the sender
+    (impl/sglang/live_site/live_prefill.py writes one file each): metadata rows sent,
+    rooms written last, rooms withheld after a failed row. None: no patched sender."""
+    total: dict[str, int] | None = None
+    for path in sorted(folder.glob("prefill_patch.*.json")):
+        try:
+            counts = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        total = total or {}
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
+
+
 def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="pdgate-live-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -162,20 +183,25 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
     env = {"PDGATE_LIVE_LOG_DIR": str(work / "pd")}
     if cfg.late_room:
         env["PDGATE_LIVE_LATE_ROOM"] = cfg.late_room
+    if cfg.fail_send is not None:
+        env["PDGATE_LIVE_FAIL_SEND"] = str(cfg.fail_send)
     if cfg.patch:
         env["PDGATE_LIVE_PATCH"] = cfg.patch
         env["PDGATE_LIVE_TIMEOUT_STEPS"] = str(cfg.timeout_steps)
     (work / "pd").mkdir(parents=True, exist_ok=True)
-    for old in (work / "pd").glob("rank*.jsonl"):
-        old.unlink()
+    for old in [*(work / "pd").glob("rank*.jsonl"), *(work / "pd").glob("prefill_patch.*")]:
+        old.unlink(missing_ok=True)
     pd = deploy("pd", work / "pd", model, cfg, env)
     agree = [b == p for b, p in zip(base["outputs"], pd["outputs"])]
     variant = "strict" if cfg.patch else "deferred"
     out = {"release": RELEASE, "requests": cfg.requests, "late_room": cfg.late_room,
+           "fail_send": cfg.fail_send, "kill_prefill_s": cfg.kill_prefill_s,
+           "room_zero": cfg.room_zero,
            "patch": cfg.patch, "variant": variant, "matches_baseline": sum(agree),
            "failed_requests": sum(o is None for o in pd["outputs"]),
            "errors": sorted({e for e in pd["errors"] if e}),
            "baseline_timings": base["timings"], "pd_timings": pd["timings"],
+           "prefill_patch": _prefill_counts(work / "pd"),
            "work_dir": str(work)}
     out.update(write_trace(work / "pd", Path(cfg.trace or work / "trace.ndjson"), variant,
                            cfg.timeout_steps if cfg.patch else None, cfg.timeout_steps))
@@ -190,7 +216,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--late-room", metavar="RANK:MS",
                    help="hide each request's room on decode rank RANK (0 or 1) for MS ms, or "
                         "'never'")
-    p.add_argument("--patch", choices=["strict"], help="install impl.sglang.patch in decode")
+    p.add_argument("--fail-send", type=int, choices=[0, 1], metavar="RANK",
+                   help="every KV transfer to decode rank RANK fails in the prefill")
+    p.add_argument("--kill-prefill-s", type=number(0, 3600), metavar="S",
+                   help="kill the prefill server S s after the requests are sent")
+    p.add_argument("--room-zero", action="store_true",
+                   help="send the first request with bootstrap_room 0, straight to both "
+                        "servers as the router would")
+    p.add_argument("--patch", choices=["strict"],
+                   help="install impl.sglang.patch in decode and strict's prefill side")
     p.add_argument("--timeout-steps", type=lambda s: int(number(1, 2**31)(s)), default=20000,
                    help="strict's gate timeout in protocol steps (with --patch strict), and "
                         "the bound of the bounded_wait claim the trace gets when a request "

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,9 +56,11 @@ class Deployment:
     def __init__(self, cfg: dict):
         self.cfg, self.work = cfg, Path(cfg["work_dir"])
         self.procs: list[subprocess.Popen] = []
+        self.names: list[str] = []
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.work / f"{name}.log", "ab")
+        self.names.append(name)
         self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                            env={**os.environ, **(env or {})},
                                            start_new_session=True))
@@ -77,6 +80,20 @@ class Deployment:
             time.sleep(1)
         raise DriverError(f"{what} not healthy within {self.cfg['start_timeout_s']:g} s")
 
+    def kill_later(self, name: str, after_s: float) -> threading.Timer:
+        """SIGKILL server ``name``'s process group ``after_s`` s from now (a fault)."""
+        proc = self.procs[self.names.index(name)]
+
+        def kill() -> None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        timer = threading.Timer(after_s, kill)
+        timer.daemon = True
+        timer.start()
+        return timer
+
     def stop(self) -> None:
         for p in self.procs:
             try:
@@ -87,20 +104,33 @@ class Deployment:
             p.wait(timeout=30)
 
 
-def _generate(port: int, prompts: list[str], max_new_tokens: int, timeout_s: float
-              ) -> tuple[list[str | None], list[str | None]]:
-    def one(text: str) -> tuple[str | None, str | None]:
-        body = {"text": text, "sampling_params": {"temperature": 0,
-                                                  "max_new_tokens": max_new_tokens}}
+def _generate(port: int, prompts: list[str], max_new_tokens: int, timeout_s: float,
+              room_zero: bool = False) -> tuple[list[str | None], list[str | None]]:
+    """Every prompt through ``port`` (greedy), four at a time. ``room_zero``: the first
+    is sent as the router would, with an explicit ``bootstrap_room`` of 0, to the prefill
+    and to the decode server at once (the decode's answer is its output)."""
+    def post(target: int, body: dict) -> tuple[str | None, str | None]:
         try:
-            out = _post(port, "/generate", body, timeout_s)
+            out = _post(target, "/generate", body, timeout_s)
         except urllib.error.HTTPError as exc:
             return None, f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}"
         except (OSError, urllib.error.URLError) as exc:
             return None, f"{type(exc).__name__}: {exc}"
         return out.get("text"), None
+
+    def one(i: int) -> tuple[str | None, str | None]:
+        body = {"text": prompts[i], "sampling_params": {"temperature": 0,
+                                                        "max_new_tokens": max_new_tokens}}
+        if not (room_zero and i == 0):
+            return post(port, body)
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=BOOTSTRAP, bootstrap_room=0)
+        with ThreadPoolExecutor(max_workers=2) as both:
+            prefill = both.submit(post, PREFILL, body)
+            got = post(DECODE, body)
+            prefill.result()
+        return got
     with ThreadPoolExecutor(max_workers=4) as pool:
-        got = list(pool.map(one, prompts))
+        got = list(pool.map(one, range(len(prompts))))
     return [g[0] for g in got], [g[1] for g in got]
 
 
@@ -159,8 +189,11 @@ def run(cfg: dict) -> dict:
             _routed(t0 + start_s)
             port = ROUTER
         t_up = time.monotonic()
+        if cfg.get("kill_prefill_s") is not None and cfg["mode"] == "pd":
+            dep.kill_later("prefill", float(cfg["kill_prefill_s"]))
         outputs, errors = _generate(port, cfg["prompts"], cfg["max_new_tokens"],
-                                    cfg["request_timeout_s"])
+                                    cfg["request_timeout_s"],
+                                    bool(cfg.get("room_zero")) and cfg["mode"] == "pd")
         t_done = time.monotonic()
         return {"outputs": outputs, "errors": errors, "error": None,
                 "timings": {"start_s": round(t_up - t0, 1),

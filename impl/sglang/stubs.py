@@ -23,7 +23,8 @@ from typing import Any, Callable
 # Executed from the wheel; everything else under ``sglang`` is a StubModule.
 REAL = ("sglang.srt.environ", "sglang.srt.disaggregation.base",
         "sglang.srt.disaggregation.base.conn", "sglang.srt.disaggregation.utils",
-        "sglang.srt.disaggregation.decode_hicache_mixin", "sglang.srt.disaggregation.decode")
+        "sglang.srt.disaggregation.decode_hicache_mixin", "sglang.srt.disaggregation.decode",
+        "sglang.srt.disaggregation.prefill")      # prefill: only conform --points imports it
 
 
 class Recorder:

@@ -115,18 +115,21 @@ class Unbounded:
             issued = lambda k: issues(p, z3.BoolVal(False), Z3OPS)
         contrib = memo(lambda k, r: contribution(p, issued(k), st(k, r), val(p.input, k, r),
                                                  val(p.gate, k, r), Z3OPS))
-        if p.op in (Op.MIN, Op.MAX) and not p.moves and p.veto is None:
-            reduced = lambda k, r: p.neutral            # nothing reads the value (a drain)
-        elif p.op in (Op.MIN, Op.MAX):
-            red = self.reduction(p.name, p.op, contrib)
-            reduced = lambda k, r: red(r)
-        elif p.op is Op.LOCAL:
-            reduced = contrib
-        else:                                           # rank 0's
-            reduced = lambda k, r: contrib(self.root, r)
+        reduced = self.reduced(p, contrib)
         after = memo(lambda k, r: next_stage(p, issued(k), st(k, r), reduced(k, r),
                                              val(p.veto, k, r), Z3OPS))
         return after, issued
+
+    def reduced(self, p: Point, contrib: StageFn) -> StageFn:
+        """The value each rank acts on per request, from every rank's contribution."""
+        if p.op in (Op.MIN, Op.MAX) and not p.moves and p.veto is None:
+            return lambda k, r: p.neutral               # nothing reads the value (a drain)
+        if p.op in (Op.MIN, Op.MAX):
+            red = self.reduction(p.name, p.op, contrib)
+            return lambda k, r: red(r)
+        if p.op is Op.LOCAL:
+            return contrib
+        return lambda k, r: contrib(self.root, r)      # rank 0's
 
     def iteration(self, v: IterVariant, st: StageFn, inp: dict[str, StageFn],
                   points: Sequence[Point] | None = None) -> list[tuple[Point, StageFn, StageFn, Callable]]:
@@ -210,19 +213,23 @@ def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
 
 
 def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, Sequence[Sequence[int]]],
-            want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000) -> Query:
+            want: Sequence[tuple[Sequence[Sequence[int]], Sequence[bool]]], timeout_ms: int = 20_000,
+            u: Unbounded | None = None) -> Query:
     """The unbounded encoding, read over exactly these ranks and requests with these
     inputs, allows nothing but ``want`` (per point: the spec's stages after it and who
-    issued it)? unsat = it agrees with the spec here. One query per point, from the
-    spec's stages before it: each point's query stays small however long the
-    iteration, and together they are the whole iteration's (each starts where the
-    previous one was shown to end)."""
+    issued it)? unsat = it agrees with the spec here. ``u``: an exact universe of that
+    size (default: a plain one). One query per point, from the spec's stages before it,
+    with the universe's own axioms and that point's only: each query stays small however
+    long the iteration, and together they are the whole iteration's (each starts where
+    the previous one was shown to end)."""
     ranks, reqs = len(stages), len(stages[0])
+    u = u or Unbounded((ranks, reqs))
+    base, ks, rs = len(u.axioms), u.ranks, u.reqs
     before: Sequence[Sequence[int]] = stages
-    for p, (stages_after, issued_want) in zip(v.points, want):
-        u = Unbounded((ranks, reqs))
-        st, inp = u.stage_fn("0"), u.inputs(v, "0")
-        ks, rs = u.ranks, u.reqs
+    res = None
+    for i, (p, (stages_after, issued_want)) in enumerate(zip(v.points, want)):
+        start = len(u.axioms)
+        st, inp = u.stage_fn(f"0.{i}"), u.inputs(v, f"0.{i}")
         fixed = [st(ks[k], rs[r]) == before[k][r] for k in range(ranks) for r in range(reqs)]
         fixed += [f(ks[k], rs[r]) == inputs[name][k][r] for name, f in inp.items()
                   for k in range(ranks) for r in range(reqs)]
@@ -230,11 +237,12 @@ def refines(v: IterVariant, stages: Sequence[Sequence[int]], inputs: dict[str, S
         differs = [after(ks[k], rs[r]) != stages_after[k][r] for k in range(ranks) for r in range(reqs)]
         differs += [issued(ks[k]) != z3.BoolVal(bool(issued_want[k])) for k in range(ranks)]
         s = Solver(timeout_ms)
-        s.add(*u.axioms, *fixed, z3.Or(differs))
+        s.add(*u.axioms[:base], *u.axioms[start:], *fixed, z3.Or(differs))
         res = s.check()
         if res.status != "unsat":
             return Query(f"refines[{p.name}]", res)
         before = stages_after
+    assert res is not None, "a variant has points"
     return Query("refines", res)
 
 

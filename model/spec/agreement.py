@@ -52,6 +52,15 @@ class Op(Enum):
     LOCAL = "local"
 
 
+class Across(Enum):
+    """Which ranks a point's value comes from when TP groups stand in PP stages
+    (model/spec/pipeline.py); one TP group alone: always ``GROUP``."""
+    GROUP = "group"   # this stage's TP group only
+    ALL = "all"       # one collective over every (stage, rank)
+    RING = "ring"     # each stage's own; the PP ring then keeps the moves every stage makes (by rid)
+    PP0 = "pp0"       # PP stage 0's, forwarded to the later stages by queue position
+
+
 class Skip(Enum):
     """When a rank issues the point's collective: ``issues`` is "some member triggers"."""
     NEVER = "never"                     # always issued
@@ -74,6 +83,7 @@ class Point:
     veto: str | None = None             # a rank-local flag that keeps a member after it...
     veto_value: int = 0                 # ... when the reduced value is this one
     shape: int | None = None            # a fixed vector length (else: the member count)
+    across: Across = Across.GROUP       # PP: whose values the stages act on
 
     @property
     def collective(self) -> bool:

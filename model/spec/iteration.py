@@ -47,6 +47,7 @@ INPUTS: dict[str, tuple[int, ...]] = {
                              # hold a host-staged destination (awaits its drain ack)
     "drained": (0, 1),       # this rank may release a held slot (drain ack, or its deadline passed)
     "retract": (0, 1),       # this rank's check_decode_mem fails: it retracts (drains offloads first)
+    "unlanded": (0, 1),      # PP decode: this rank's metadata row has not landed (the gate's flag)
 }
 ITERATION_NAMES = ("collectives_agree", "no_local_decision_after_min", "stages_agree")
 
@@ -230,9 +231,10 @@ def reduce_over(p: Point, column: list[Any], f: Folds = PYF) -> Any:
     return column[0]          # BROADCAST, ALL_REDUCE: rank 0's
 
 
-def apply_point(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs,
-                f: Folds = PYF) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...], list[Any]]:
-    """One point on every rank: the next stages, who issued the collective, its shapes."""
+def point_values(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs, f: Folds = PYF
+                 ) -> tuple[tuple[Any, ...], list[Any], list[list[Any]]]:
+    """One point's collective on every rank: who issued it, its shapes, and the value each
+    rank acts on per request (the reduced one; a LOCAL point's own)."""
     ops, ranks, reqs = f.ops, len(stages), len(stages[0]) if stages else 0
     local = [[_value(inputs, p.input, k, r) for r in range(reqs)] for k in range(ranks)]
     issued = tuple(issues(p, f.some([triggers(p, stages[k][r], local[k][r], ops) for r in range(reqs)]), ops)
@@ -241,14 +243,23 @@ def apply_point(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs,
               for k in range(ranks)]
     contrib = [[contribution(p, issued[k], stages[k][r], local[k][r], _value(inputs, p.gate, k, r), ops)
                 for r in range(reqs)] for k in range(ranks)]
-    out = []
-    for k in range(ranks):
-        row = []
-        for r in range(reqs):
-            reduced = reduce_over(p, [c[r] for c in contrib], f) if p.collective else contrib[k][r]
-            row.append(next_stage(p, issued[k], stages[k][r], reduced, _value(inputs, p.veto, k, r), ops))
-        out.append(tuple(row))
-    return tuple(out), issued, shapes
+    reduced = [[reduce_over(p, [c[r] for c in contrib], f) if p.collective else contrib[k][r]
+                for r in range(reqs)] for k in range(ranks)]
+    return issued, shapes, reduced
+
+
+def act(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs, issued: Sequence[Any],
+        values: Sequence[Sequence[Any]], f: Folds = PYF) -> tuple[tuple[Any, ...], ...]:
+    """Every rank moves its members on the values it was given (and its veto)."""
+    return tuple(tuple(next_stage(p, issued[k], stages[k][r], values[k][r], _value(inputs, p.veto, k, r), f.ops)
+                       for r in range(len(stages[k]))) for k in range(len(stages)))
+
+
+def apply_point(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs,
+                f: Folds = PYF) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...], list[Any]]:
+    """One point on every rank: the next stages, who issued the collective, its shapes."""
+    issued, shapes, reduced = point_values(p, stages, inputs, f)
+    return act(p, stages, inputs, issued, reduced, f), issued, shapes
 
 
 def run_iteration(v: IterVariant, stages: Stages, inputs: Inputs) -> IterationResult:

@@ -1,17 +1,20 @@
 """Iteration traces (docs/trace-format.md, "Iteration traces"): write, and replay
-through model/spec/iteration.py. ``pdgate validate`` takes them by their header's
-format, ``pdgate-iteration``; the limits and exit codes are the step traces'.
+through model/spec/iteration.py (or model/spec/pipeline.py: a ``pp-*`` variant, whose
+header adds ``stages``). ``pdgate validate`` takes them by their header's format,
+``pdgate-iteration``; the limits and exit codes are the step traces'.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable, Sequence
+from typing import IO, Any, Callable, Iterable, Sequence
 
 from model.spec.invariants import Violation
-from model.spec.iteration import (ITER_VARIANTS, ITERATION_NAMES, IterationResult, IterVariant,
+from model.spec.iteration import (ITER_VARIANTS, ITERATION_NAMES,
                                   check_inputs, get_iter_variant, initial_stages, iteration_violations,
                                   run_iteration)
+from model.spec.pipeline import (PP_NAMES, PP_VARIANTS, check_pp_inputs, initial_pp_stages,
+                                 pipeline_violations, run_pipeline)
 from model.spec.trace import MAX_CLAIMS, MAX_RANK_SLOTS, MAX_RANKS, TraceFormatError, _int, read_records
 
 FORMAT, VERSION = "pdgate-iteration", 1
@@ -27,7 +30,7 @@ class IterationTraceWriter:
     def _write(self, obj: dict[str, Any]) -> None:
         self.fp.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
-    def iteration(self, i: int, inputs: dict[str, Sequence[Sequence[int]]], res: IterationResult) -> None:
+    def iteration(self, i: int, inputs: dict[str, Sequence[Sequence[int]]], res: Any) -> None:
         self._write({"kind": "iteration", "i": i, "inputs": {n: [list(r) for r in rows] for n, rows in inputs.items()},
                      "records": [[list(x) for x in rec] for rec in res.records],
                      "stages": [list(row) for row in res.stages]})
@@ -53,18 +56,40 @@ class IterationValidation:
     claims: list[Violation] = field(default_factory=list)
 
 
-def _header(obj: Any, line: int, variant: str | None) -> tuple[IterVariant, int, int]:
+@dataclass(frozen=True)
+class _Replay:
+    """What a trace's variant replays through: the decode iteration or the pipeline."""
+    name: str
+    initial: Any
+    run: Callable[[Any, Any], Any]
+    violations: Callable[[Any], list[Violation]]
+    check: Callable[[dict], None]
+    names: tuple[str, ...]
+
+
+def _header(obj: Any, line: int, variant: str | None) -> tuple[_Replay, int, int]:
     if not is_iteration_header(obj):
         raise TraceFormatError(line, f"first record must be a {FORMAT} header")
     if obj.get("version") != VERSION or isinstance(obj.get("version"), bool):
         raise TraceFormatError(line, f"unsupported iteration trace version {obj.get('version')!r:.40}")
     name = variant or obj.get("variant")
-    if not isinstance(name, str) or name not in ITER_VARIANTS:
-        raise TraceFormatError(line, f"unknown iteration variant {name!r:.60} (known: {', '.join(ITER_VARIANTS)})")
+    known = [*ITER_VARIANTS, *PP_VARIANTS]
+    if not isinstance(name, str) or name not in known:
+        raise TraceFormatError(line, f"unknown iteration variant {name!r:.60} (known: {', '.join(known)})")
     ranks, reqs = _int(obj, "ranks", line, 1, MAX_RANKS), _int(obj, "requests", line, 1, MAX_REQUESTS)
-    if ranks * reqs > MAX_RANK_SLOTS:
-        raise TraceFormatError(line, f"header: ranks x requests = {ranks * reqs} exceeds {MAX_RANK_SLOTS}")
-    return get_iter_variant(name), ranks, reqs
+    pp = _int(obj, "stages", line, 1, MAX_RANKS) if name in PP_VARIANTS else 1
+    if pp * ranks * reqs > MAX_RANK_SLOTS:
+        raise TraceFormatError(line, f"header: stages x ranks x requests = {pp * ranks * reqs} "
+                               f"exceeds {MAX_RANK_SLOTS}")
+    if name in PP_VARIANTS:
+        pv = PP_VARIANTS[name]
+        return _Replay(name, initial_pp_stages(pv, pp, ranks, reqs), lambda st, inp: run_pipeline(pv, pp, st, inp),
+                       lambda res: pipeline_violations(res, pv),
+                       lambda inp: check_pp_inputs(pv, inp, pp, ranks, reqs), PP_NAMES), pp * ranks, reqs
+    v = get_iter_variant(name)
+    return _Replay(name, initial_stages(ranks, reqs), lambda st, inp: run_iteration(v, st, inp),
+                   lambda res: iteration_violations(res, v), lambda inp: check_inputs(v, inp, ranks, reqs),
+                   ITERATION_NAMES), ranks, reqs
 
 
 def _records(obj: Any, line: int, ranks: int) -> list[list[tuple]] | None:
@@ -87,8 +112,8 @@ def validate_iterations(lines: Iterable[str], variant: str | None = None) -> Ite
     if first is None:
         raise TraceFormatError(1, "empty trace (no header)")
     v, ranks, reqs = _header(first[1], first[0], variant)
-    stages, done, last = initial_stages(ranks, reqs), 0, first[0]
-    res: IterationResult | None = None
+    stages, done, last = v.initial, 0, first[0]
+    res: Any = None
     first_violation: tuple[int, Violation] | None = None
     claims: list[Violation] = []
     for line, obj in records:
@@ -101,10 +126,10 @@ def validate_iterations(lines: Iterable[str], variant: str | None = None) -> Ite
             try:
                 if not isinstance(inputs, dict):
                     raise ValueError("'inputs' must be an object")
-                check_inputs(v, inputs, ranks, reqs)
+                v.check(inputs)
             except ValueError as exc:
                 raise TraceFormatError(line, f"iteration: {exc}") from None
-            res = run_iteration(v, stages, inputs)
+            res = v.run(stages, inputs)
             want = _records(obj, line, ranks)
             if want is not None and [list(r) for r in res.records] != want:
                 k = next(k for k in range(ranks) if list(res.records[k]) != want[k])
@@ -115,17 +140,17 @@ def validate_iterations(lines: Iterable[str], variant: str | None = None) -> Ite
             if got is not None and got != [list(row) for row in res.stages]:
                 return IterationValidation(False, f"line {line} (iteration {done}): stages {got!r:.200} in "
                                            f"the trace, the spec gives {[list(r) for r in res.stages]}", done)
-            found = iteration_violations(res, v)
+            found = v.violations(res)
             if found and first_violation is None:
                 first_violation = (done, found[0])
             stages, done = res.stages, done + 1
         elif kind == "violation":
             name = obj.get("invariant")
-            if name not in ITERATION_NAMES:
-                raise TraceFormatError(line, f"violation: unknown invariant {name!r:.60} (known: {', '.join(ITERATION_NAMES)})")
+            if name not in v.names:
+                raise TraceFormatError(line, f"violation: unknown invariant {name!r:.60} (known: {', '.join(v.names)})")
             if len(claims) >= MAX_CLAIMS:
                 raise TraceFormatError(line, f"more than {MAX_CLAIMS} violation records")
-            hit = [x for x in (iteration_violations(res, v) if res else []) if x.invariant == name]
+            hit = [x for x in (v.violations(res) if res else []) if x.invariant == name]
             if not hit:
                 return IterationValidation(False, f"line {line}: trace claims {name} is violated, "
                                            "the spec's last iteration satisfies it", done, first_violation, claims)

@@ -22,6 +22,7 @@ from model.spec.trace import (MAX_CLAIMS, TraceFormatError, TraceInputError, _in
                               open_records, parse_record, read_trace_file, require_enqueued,
                               require_nothing_after)
 from model.spec.iteration import ITER_VARIANTS
+from model.spec.pipeline import PP_VARIANTS
 from model.spec.itertrace import IterationValidation, is_iteration_header, validate_iterations
 from model.spec.variants import ABLATIONS, VARIANTS
 
@@ -116,9 +117,9 @@ def _show(rec: Event) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="NDJSON trace (docs/trace-format.md): step or iteration trace")
-    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS]),
+    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS, *PP_VARIANTS]),
                    help="replay against this variant or ablation instead of the header's "
-                        "(iter-* for iteration traces)")
+                        "(iter-*, prefill-* and pp-* for iteration traces)")
 
 
 def violation_line(result: ValidationResult | IterationValidation) -> str | None:
@@ -143,7 +144,7 @@ def validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult 
     lines = itertools.chain([head], lines)
     if iterations:
         return validate_iterations(lines, variant)
-    if variant in ITER_VARIANTS:
+    if variant in ITER_VARIANTS or variant in PP_VARIANTS:
         raise TraceFormatError(1, f"--variant {variant} is an iteration variant; this is a step trace")
     return validate(lines, variant)
 

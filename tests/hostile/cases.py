@@ -204,6 +204,7 @@ FLAG_CASES: list[list[str]] = [
     ["e2e", "--requests", "100000", "--max-pages", "1000", "--pages", "1000"],
     ["live", "--late-room", "1:nan"], ["live", "--late-room", "1:-5"], ["live", "--late-room", "9:1"],
     ["live", "--late-room", "x"], ["live", "--patch", "loose"], ["live", "--requests", "1e9"],
+    ["live", "--fail-send", "-1"], ["live", "--kill-prefill-s", "1e400"],
     ["live", "--json", "/proc/x"], ["live", "--trace", "/"], ["live", "--work-dir", "/proc/x"],
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],
     ["nosuchcommand"], ["--bogus-flag"],

@@ -4,8 +4,8 @@ non-disaggregated server's outputs and its decode ranks' trace replayed by the s
 
 - success: every request's text equals the baseline's, the trace validates (deferred);
 - one fault, a metadata room that never lands on decode rank 1, under the strict
-  patch: every request is aborted on both ranks by strict's timeout instead of held
-  forever, the trace validates against ``strict``, and the same trace is refused by
+  patch (both sides: the prefill writes each room last, and says how often): every
+  request is aborted on both ranks by strict's timeout instead of held forever, the trace validates against ``strict``, and the same trace is refused by
   ``deferred`` (0.5.23 as shipped holds such a request forever: the spec's liveness
   counterexample), so the replay can say no.
 
@@ -53,6 +53,8 @@ def test_live_room_never_lands_strict_aborts_everywhere(tmp_path):
     assert got["failed_requests"] == 4          # aborted, not hanging: the client got errors
     assert got["errors"] and all("transfer failed" in e for e in got["errors"]), got["errors"]
     assert got["trace_valid"], got["trace_message"]
+    # strict's prefill side ran: each request's metadata row sent, its room written last
+    assert got["prefill_patch"]["room_last"] >= got["prefill_patch"]["rows"] >= 4, got["prefill_patch"]
     with open(got["trace"], encoding="utf-8") as fp:
         assert validate(fp).ok
     with open(got["trace"], encoding="utf-8") as fp:

@@ -44,10 +44,14 @@ class _DecodeReq:
         self.req, self.metadata_buffer_index, self.kv_receiver = req, slot, _Receiver(value)
 
 
-def _modules(gate: bool):
+def _modules(gate: bool, arrive=None):
+    """``arrive(buffers)``, if given, runs as the gate starts: a write that lands between
+    the receiver's poll and the gate's read."""
     utils = types.ModuleType("fake_utils")
 
     def apply_gate(polls, decode_reqs, buffers):
+        if arrive is not None:
+            arrive(buffers)
         for i, p in enumerate(polls):
             if gate and p == 4 and int(buffers.bootstrap_room[decode_reqs[i].metadata_buffer_index, 0]) == 0:
                 polls[i] = 3
@@ -100,6 +104,10 @@ def hooks(tmp_path, monkeypatch):
     sys.modules.pop("live_hooks", None)
 
 
+def _log(folder) -> list[dict]:
+    return [json.loads(x) for x in (folder / "rank0.jsonl").read_text().splitlines()]
+
+
 def _run(hooks, gate: bool) -> list[dict]:
     live_hooks, folder = hooks
     decode, utils = _modules(gate)
@@ -114,7 +122,7 @@ def _run(hooks, gate: bool) -> list[dict]:
     q.pop_transferred()                               # ... and the fault hides it for 50 ms
     time.sleep(0.2)
     q.pop_transferred()
-    return [json.loads(x) for x in (folder / "rank0.jsonl").read_text().splitlines()]
+    return _log(folder)
 
 
 def test_the_rank_log_of_a_late_room(hooks):
@@ -138,3 +146,35 @@ def test_a_queue_without_the_gate_is_refused(hooks):
     trace_from_logs([log], trace, "deferred", None)
     result = validate(trace.getvalue().splitlines())
     assert not result.ok and "gated" in result.message
+
+
+def test_a_room_landing_between_poll_and_gate_is_hidden_before_it_counts(hooks, monkeypatch):
+    """The fault rank hides a room the gate has not acted on even when it appeared after
+    the poll's read: hidden at the next poll instead, it would be logged as landed and
+    then vanish (a trace no spec rank produces: the CI failure of 072cb78)."""
+    live_hooks, folder = hooks
+    monkeypatch.setattr(live_hooks, "_late_room", lambda: (0, None))     # 0:never
+    arrivals = []
+
+    def arrive(buffers):
+        if not arrivals:
+            arrivals.append(1)
+            buffers.bootstrap_room[1, 0] = 77
+    decode, utils = _modules(True, arrive)
+    live_hooks.wrap(decode, utils)
+    q = decode.DecodeTransferQueue()
+    d = _DecodeReq(_Req("a", 77), 1, 3)                # Transferring when the room arrives
+    q.extend([d])
+    q.pop_transferred()
+    assert int(q.metadata_buffers.bootstrap_room[1, 0]) == 0      # hidden at once
+    d.kv_receiver.value = 4
+    q.pop_transferred()
+    q.pop_transferred()
+    log = _log(folder)
+    steps = [r["rec"] for r in log if r["k"] == "step"]
+    assert [s["gated"] for s in steps] == [[3], [3], [3]]       # held: the room never lands
+    assert [r["ev"]["kind"] for r in log if r["k"] == "env"] == ["kv_done"]
+    trace = io.StringIO()
+    trace_from_logs([log], trace, "strict", None)
+    result = validate(trace.getvalue().splitlines())
+    assert result.ok, result.message

@@ -92,6 +92,10 @@ def test_a_commit_the_spec_forbids_fails_validation():
     (["--late-room", "1"], "RANK:MS"),
     (["--requests", "0"], "--requests"),
     (["--timeout-steps", "inf"], "--timeout-steps"),
+    (["--fail-send", "2"], "--fail-send"),
+    (["--fail-send", "x"], "--fail-send"),
+    (["--kill-prefill-s", "-1"], "--kill-prefill-s"),
+    (["--kill-prefill-s", "nan"], "--kill-prefill-s"),
 ])
 def test_bad_flags_one_line_exit_2(flags, words):
     run = subprocess.run([sys.executable, "-m", "model.cli", "live", *flags],

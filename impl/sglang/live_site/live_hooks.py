@@ -103,6 +103,10 @@ class _Rank:
         timer.daemon = True
         timer.start()
 
+    def _fault_due(self, req: int, buffers: Any) -> bool:
+        """This rank hides rooms and has not yet hidden ``req``'s."""
+        return self.late_ms != -1.0 and buffers is not None and req not in self.hidden_once
+
     def _room_seen(self, decode_req: Any, buffers: Any) -> bool:
         seen = int(buffers.bootstrap_room[decode_req.metadata_buffer_index, 0].item())
         return seen != 0 and seen == int(decode_req.req.bootstrap_room or 0)
@@ -121,8 +125,7 @@ class _Rank:
             self.latched[req] = value
             if self.log:
                 self.log.env("kv_done" if value == SUCCESS else "fail", req, self.rank)
-        if (self.late_ms != -1.0 and buffers is not None and req not in self.hidden_once
-                and self._room_seen(decode_req, buffers)):
+        if self._fault_due(req, buffers) and self._room_seen(decode_req, buffers):
             self.hidden_once.add(req)
             self._hide(decode_req, buffers, req)
         if self.cur is not None:
@@ -134,13 +137,22 @@ class _Rank:
         """Log the rooms that landed. The slot is read before the gate (at the poll) and
         after it: there both times, it landed; absent both times, it did not (whatever
         the gate did: the replay judges it). Only a room that appeared between the two
-        reads is decided by the gate's verdict, since the gate read it in between."""
+        reads is decided by the gate's verdict, since the gate read it in between.
+
+        On the fault rank a room that appeared between the two reads is hidden here,
+        unless the gate already passed it: hidden at the next poll instead, it would
+        have landed (in the log) and then vanished, which no spec rank does (A1)."""
         if self.cur is None or not self.log:
             return
         for (req, decode_req, buffers, value, before), g in zip(self.cur["entries"], gated):
             if req is None or req in self.landed or buffers is None:
                 continue
             after = self._room_seen(decode_req, buffers)
+            if after and self._fault_due(req, buffers):
+                self.hidden_once.add(req)
+                if g != SUCCESS:            # the gate has not acted on it: hide it now
+                    self._hide(decode_req, buffers, req)
+                    continue
             if after and (before or value != SUCCESS or g == SUCCESS):
                 self.landed.add(req)       # one write: the payload first, then the room (A1)
                 self.log.env("land", req, self.rank, field="payload")

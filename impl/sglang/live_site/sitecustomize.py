@@ -7,7 +7,10 @@ What a CPU-only SGLang 0.5.23 needs and PyPI cannot give it:
 - Mooncake's sender claims ``supports_host_tensor_indices``, a path that pins host
   memory and records a CUDA event; on CPU it must take the plain path.
 Then, in the decode ranks, ``live_hooks`` (the strict patch, the fault, the rank logs)
-when ``PDGATE_LIVE_ROLE=decode``.
+when ``PDGATE_LIVE_ROLE=decode``; in the prefill, with ``PDGATE_LIVE_PATCH=strict``,
+strict's prefill side (impl/sglang/prefill_patch.py: the room written last), and with
+``PDGATE_LIVE_FAIL_SEND=RANK`` every KV transfer to decode rank RANK failing (the
+release's own failure path from there on).
 """
 import importlib.abc
 import importlib.util
@@ -65,3 +68,8 @@ after_import("sglang.srt.disaggregation.mooncake.conn", _no_host_indices)
 if os.environ.get("PDGATE_LIVE_ROLE") == "decode":
     import live_hooks
     after_import("sglang.srt.disaggregation.decode", live_hooks.wrap)
+
+if os.environ.get("PDGATE_LIVE_ROLE") == "prefill":
+    import live_prefill
+    live_prefill.install(after_import)
+

@@ -1,0 +1,74 @@
+"""What each SGLang release does with ``pp_size > 1`` at the points model/spec/pipeline.py
+models, read from its cached wheel with ``ast`` (as impl/sglang/iteration_facts.py does
+for the decode iteration) and compared with the ``pp-*`` variants that model it.
+Nothing is imported from the wheel and nothing downloads.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+from impl.sglang.iteration_facts import DECODE, PREFILL, _functions, _text
+from impl.sglang.wheels import open_wheel
+from model.spec.agreement import Across
+from model.spec.pipeline import PP_VARIANTS, PPVariant
+
+MIXIN = "sglang.srt.managers.scheduler_pp_mixin"
+UTILS = "sglang.srt.disaggregation.utils"
+# decode variant, prefill variant (None: its bootstrap consensus is not modelled) per release
+MODELLED_BY = {"0.5.12": ("pp-0.5.12", None), "0.5.13": ("pp-0.5.13", None), "0.5.18": ("pp-0.5.13", None),
+               "0.5.19": ("pp-0.5.13", None), "0.5.21": ("pp-0.5.13", None),
+               "0.5.23": ("pp-0.5.13", "pp-prefill-0.5.23")}
+
+
+@dataclass(frozen=True)
+class PPMechanisms:
+    finished_as_one: bool     # the transferred-rids ring keeps Success and Failed in one list
+    ring_intersects: bool     # a later stage intersects its list with the previous stage's
+    first_min_gated: bool     # get_rids's TP-MIN passes metadata rows (the gate)
+    second_poll: bool         # each stage then pops with a poll of its own (pop_transferred)
+    second_min_gated: bool    # ... through the metadata gate
+    prefill_by_position: bool  # pop_bootstrapped takes PP0's polls forwarded down the stages
+
+
+def _calls(fn: ast.FunctionDef, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and _text(n.func).endswith(name)]
+
+
+def mechanisms_of(mixin: str, decode: str, prefill: str, utils: str) -> PPMechanisms:
+    mx, dec, pre, ut = (_functions(ast.parse(s)) for s in (mixin, decode, prefill, utils))
+    ids = mx["_pp_pd_get_decode_transferred_ids"]
+    groups = [_text(a) for c in _calls(ids, "get_rids") for a in c.args[2:]]
+    pop = dec["pop_transferred"]
+    gate = dec.get("_poll_with_metadata_gate")
+    second = [c for c in ast.walk(pop) if isinstance(c, ast.Call) and "poll" in _text(c.func)]
+    gated = bool(_calls(pop, "_poll_with_metadata_gate")) and gate is not None and "metadata_buffers" in _text(gate)
+    return PPMechanisms(
+        finished_as_one=bool(groups) and all("KVPoll.Success" in g and "KVPoll.Failed" in g for g in groups),
+        ring_intersects="set(prev_transferred_rids) & set(curr_transferred_rids)" in _text(ids),
+        first_min_gated=any("metadata" in _text(f) for f in (mx["get_rids"],
+                                                             ut["poll_and_all_reduce_attn_cp_tp_group"])),
+        second_poll=bool(_calls(mx["process_decode_transfer_queue"], "pop_transferred")) and bool(second),
+        second_min_gated=gated,
+        prefill_by_position=bool(_calls(pre["pop_bootstrapped"], "poll_and_all_reduce_prefill_pp")))
+
+
+def mechanisms_modelled(decode: PPVariant, prefill: PPVariant | None) -> PPMechanisms:
+    ring = next(p for p in decode.points if p.across is Across.RING)
+    pops = [p for p in decode.points if p is not ring]
+    targets = {target for _, target in ring.moves}
+    return PPMechanisms(finished_as_one={value for value, _ in ring.moves} == {0, 4} and len(targets) == 1,
+                        ring_intersects=True, first_min_gated=ring.gate is not None,
+                        second_poll=bool(pops), second_min_gated=any(p.gate is not None for p in pops),
+                        prefill_by_position=prefill is not None
+                        and any(p.across is Across.PP0 for p in prefill.points))
+
+
+def release_mismatches(version: str) -> list[str]:
+    """What the release's source does that its pp-* variants do not model (empty: none)."""
+    w = open_wheel(version)
+    got = mechanisms_of(*(w.source_of(m)[0] for m in (MIXIN, DECODE, PREFILL, UTILS)))
+    dec, pre = MODELLED_BY[version]
+    want = mechanisms_modelled(PP_VARIANTS[dec], PP_VARIANTS[pre] if pre else None)
+    return [f"{version} {name}: source {getattr(got, name)}, {dec}/{pre} {getattr(want, name)}"
+            for name in PPMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]

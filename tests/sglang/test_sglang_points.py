@@ -1,0 +1,290 @@
+"""pdgate conform --points (impl/sglang/points.py): every pinned release's own
+``pop_preallocated`` and ``pop_bootstrapped`` on 2 and 3 thread ranks against the
+iter-* / prefill-0.5.12 variant that models it, cut to the points that code covers.
+
+Expected-verdict table, fixed scenarios (``pdgate conform --points --sglang pinned``;
+m matches, d differs, r:I reproduces invariant I), releases 0.5.12 0.5.13 0.5.18
+0.5.19 0.5.21 0.5.23:
+
+| scenario | verdicts | why |
+|---|---|---|
+| decode all-proceed, bootstrapping, handshake-fail-one | m m m m m m | |
+| decode resolve-split (the spec's cex:collectives_agree, #36928) | d d d d d d | the releases keep a pending request in the prealloc queue and poll it (Bootstrapping before ``init``): both ranks issue the MIN; the variants leave PENDING out of it |
+| decode fits-split, two-mixed | r:stages_agree x6 | admission on each rank's own budget |
+| decode ready-fail-one | m r r r m m (r: collectives_agree) | 0.5.13-0.5.19 poll only where a receiver failed locally |
+| decode queue-split | r:stages_agree x4, r:collectives_agree x2 | 0.5.21+ poll a queue of READY requests: the empty rank skips (a hang, reported) |
+| decode fits-head-of-line | d d d d d d | admission stops at the first request that does not fit (FIFO ``break``); the variants admit each on its own |
+| prefill boot-ready, boot-fail-one | m x6 | |
+| prefill no-buffer-split (#37909) | r:no_local_decision_after_min x6 | |
+| prefill boot-queue-split | r:collectives_agree x6 | the empty-queue early return |
+| prefill no-buffer-then-fail | d m m m m m | 0.5.12 ``break``s at the missing buffer, so a later Failed request stays queued |
+
+Seeded random scenarios (seed 0): the expected string per release below; `pdgate prove`'s
+iter-0.5.13 / prefill-0.5.12 cex traces as scenarios on 0.5.13.
+
+Siblings where the same comparison says ``differs``: a release's code against another
+release's variant and against the strict variants (``--variant``), and a release's
+source edited at one mechanism (``source=``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from impl.sglang import points, threadgroup as tg
+from impl.sglang.wheels import PINNED
+from model.cli import main
+from model.spec.iteration import ITER_VARIANTS, STRICT_PREALLOC, IterVariant
+
+EXPECTED = {
+    "all-proceed": "m m m m m m", "bootstrapping": "m m m m m m", "handshake-fail-one": "m m m m m m",
+    "resolve-split": "d d d d d d",
+    "fits-split": "r:stages_agree " * 6, "two-mixed": "r:stages_agree " * 6,
+    "ready-fail-one": "m " + "r:collectives_agree " * 3 + "m m",
+    "queue-split": "r:stages_agree " * 4 + "r:collectives_agree " * 2,
+    "fits-head-of-line": "d d d d d d",
+    "boot-ready": "m m m m m m", "boot-fail-one": "m m m m m m",
+    "no-buffer-split": "r:no_local_decision_after_min " * 6,
+    "boot-queue-split": "r:collectives_agree " * 6,
+    "no-buffer-then-fail": "d m m m m m",
+}
+# seeded random scenarios (seed 0, 6 decode and 6 prefill, interleaved): per release
+RANDOM = {"0.5.12": "mmdrrmdmdrrm", "0.5.13": "mmdrrmdmdrrm", "0.5.18": "mmdrrmdmdrrm",
+          "0.5.19": "mmdrrmdmdrrm", "0.5.21": "mmdrmmdmdrmm", "0.5.23": "mmdrmmdmdrmm"}
+
+
+def _code(row: dict) -> str:
+    return f"r:{row['invariant']}" if row["verdict"] == "reproduces" else row["verdict"][0]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return points.check(list(PINNED), points.fixed_scenarios() + points.random_scenarios(0, 6))
+
+
+def test_every_pinned_release_gives_the_expected_verdicts(rows):
+    assert PINNED == ("0.5.12", "0.5.13", "0.5.18", "0.5.19", "0.5.21", "0.5.23")
+    fixed = {sc.name for sc in points.fixed_scenarios()}
+    got = {}
+    for r in rows:
+        if r["scenario"] in fixed:
+            got.setdefault(r["scenario"], []).append(_code(r))
+    assert {k: " ".join(v) for k, v in got.items()} == {k: v.strip() for k, v in EXPECTED.items()}
+
+
+def test_the_seeded_random_scenarios_give_the_expected_verdicts(rows):
+    got = {}
+    for r in rows:
+        if r["scenario"].startswith("random-"):
+            got[r["release"]] = got.get(r["release"], "") + _code(r)[0]
+    assert got == RANDOM
+    # every random decode that differs is the pending request inside the prealloc MIN
+    for r in rows:
+        if r["scenario"].startswith("random-") and r["verdict"] == "differs":
+            assert r["side"] == "decode" and "collective 0" in r["detail"], r
+
+
+def test_no_release_run_crashed_and_the_differences_are_the_known_three(rows):
+    assert not [r for r in rows if "raised" in (r.get("detail") or "")]
+    for r in rows:
+        if r["verdict"] != "differs" or r["scenario"].startswith("random-"):
+            continue
+        assert (r["scenario"], r["detail"]) in {
+            ("resolve-split", "rank 1 collective 0: spec nothing, release MIN shape 1"),
+            ("fits-head-of-line", "rank 0 request 1: spec TRANSFER, release READY"),
+            ("no-buffer-then-fail", "rank 0 request 1: spec GONE, release BOOTSTRAP")}, r
+
+
+def test_a_hang_is_reported_with_both_ranks_records(rows):
+    row = next(r for r in rows if (r["release"], r["scenario"]) == ("0.5.23", "queue-split"))
+    assert row["records"] == [[("min", 1)], []] and row["spec_records"] == [[["prealloc_poll", "min", 1]], []]
+    assert "rank 0 waits in MIN shape [1], rank 1 issues nothing" in row["detail"]
+
+
+@pytest.mark.parametrize("version, scenario, variant, detail", [
+    # 0.5.12 skips a queue of READY requests; 0.5.21's variant polls it
+    ("0.5.12", "ready-fail-one", "iter-0.5.21", "rank 0 collective 0: spec prealloc_poll MIN shape 1, release nothing"),
+    # 0.5.13 polls where its own receiver failed; 0.5.12's variant skips
+    ("0.5.13", "ready-fail-one", "iter-0.5.12", "rank 0 collective 0: spec nothing, release MIN shape 1"),
+    # strict agrees admission with a MIN the releases never issue
+    ("0.5.23", "fits-split", "iter-strict", "rank 0 collective 1: spec admission MIN shape 1, release nothing"),
+    # prefill-strict gates the missing buffer before the MIN; 0.5.23 continues after it
+    ("0.5.23", "no-buffer-split", "prefill-strict", "rank 1 request 0: spec BOOTSTRAP, release WAITING"),
+])
+def test_the_comparison_says_differs_against_a_wrong_variant(rows, version, scenario, variant, detail):
+    """The release's run of the scenario (the rows'), compared with another variant."""
+    row = next(r for r in rows if (r["release"], r["scenario"]) == (version, scenario))
+    sc = next(s for s in points.fixed_scenarios() if s.name == scenario)
+    assert row["verdict"] != "differs"
+    other = points.compare(sc, variant, row["run"])
+    assert (other["variant"], other["verdict"], other["detail"]) == (variant, "differs", detail)
+
+
+def test_the_variant_flag_compares_with_that_variant():
+    sc = next(s for s in points.fixed_scenarios() if s.name == "ready-fail-one")
+    [row] = points.check(["0.5.13"], [sc], variant="iter-0.5.12")
+    assert (row["variant"], row["verdict"]) == ("iter-0.5.12", "differs")
+
+
+# a release's source edited at one mechanism: the run is its code, so the verdict moves
+EDITS = {
+    # 0.5.13 without its local-Failed poll: it skips a READY queue as 0.5.12 does
+    ("0.5.13", "ready-fail-one"): ("sglang/srt/disaggregation/decode.py",
+                                   "decode_req.kv_receiver.conclude_state == KVPoll.Failed", "False",
+                                   "rank 0 collective 0: spec prealloc_poll MIN shape 1, release nothing"),
+    # 0.5.23's prefill keeping a bootstrapped request it has a buffer for
+    ("0.5.23", "boot-ready"): ("sglang/srt/disaggregation/prefill.py",
+                               "elif not self.finalize_bootstrap(req):", "elif True:",
+                               "rank 0 request 0: spec WAITING, release BOOTSTRAP"),
+}
+
+
+@pytest.mark.parametrize("version, scenario", sorted(EDITS))
+def test_an_edited_release_source_differs_from_its_variant(rows, tmp_path, version, scenario):
+    from impl.sglang.wheels import open_wheel
+    name, old, new, detail = EDITS[(version, scenario)]
+    text = open_wheel(version).member(name)
+    assert text.count(old) == 1
+    (tmp_path / name).parent.mkdir(parents=True)
+    (tmp_path / name).write_text(text.replace(old, new))
+    sc = next(s for s in points.fixed_scenarios() if s.name == scenario)
+    [row] = points.check([version], [sc], source=str(tmp_path))
+    assert (row["verdict"], row["detail"]) == ("differs", detail), row
+    assert next(r for r in rows if (r["release"], r["scenario"]) == (version, scenario))["verdict"] != "differs"
+
+
+def test_the_free_buffers_mean_no_buffer_for_the_later_askers():
+    stages = [[1, 1, 1], [1, 1, 0]]
+    # request 1 polls Bootstrapping on rank 1: only 0 and 2 ask on rank 0, 0 on rank 1
+    assert points.no_buffer(stages, [[2, 2, 2], [2, 1, 2]], [1, 0]) == [[0, 0, 1], [1, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def cex_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cex")
+    assert main(["prove", "--variant", "iter-0.5.13", "--variant", "prefill-0.5.12", "--only", "cex:point:prealloc",
+                 "--only", "cex:collectives_agree", "--only", "cex:point:admission", "--traces", str(out),
+                 "--jobs", "1"]) == 0
+    return out
+
+
+def test_the_spec_counterexamples_run_as_scenarios(cex_dir):
+    """pdgate prove's cex traces, one scenario per iteration, on the release its variant
+    models: the release's code reproduces the local-Failed skip's hang and the split
+    admission, and shows the resolution counterexample is not what it does."""
+    paths = sorted(cex_dir.glob("*.jsonl"))
+    scenarios = [sc for p in paths for sc in points.trace_scenarios(str(p), points.COVERED)]
+    got = {r["scenario"]: (_code(r), r["detail"]) for r in points.check(["0.5.13"], scenarios)}
+    assert got["iter-0.5.13.cex-point-prealloc_poll#1"][0] == "r:collectives_agree"
+    assert got["iter-0.5.13.cex-point-admission#0"][0] == "r:stages_agree"
+    # the trace resolves the request on one rank only; which one is the solver's choice
+    code, detail = got["iter-0.5.13.cex-collectives_agree#0"]
+    assert code == "d" and detail in (f"rank {k} collective 0: spec nothing, release MIN shape 1" for k in (0, 1))
+    assert got["prefill-0.5.12.cex-collectives_agree#0"][0] == "r:no_local_decision_after_min"
+
+
+def test_a_trace_that_is_not_an_iteration_trace_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"kind":"header","format":"pdgate-trace"}\n')
+    assert main(["conform", "--points", "--sglang", "0.5.23", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "pdgate-iteration header" in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- the fake gloo group ----------------------------------------------------------------
+def _ranks(bodies, timeout_s=0.5):
+    hub = tg.Hub(len(bodies), timeout_s)
+    groups = [tg.Group(hub, k, len(bodies)) for k in range(len(bodies))]
+    values = tg.run_threads(hub, [lambda k=k: bodies[k](groups[k]) for k in range(len(bodies))])
+    return hub, values
+
+
+def _reduce(values, op):
+    def body(group):
+        t = torch.tensor(values[group.rank], dtype=torch.int32)
+        tg.FakeDist().all_reduce(t, op=op, group=group)
+        return t.tolist()
+    return body
+
+
+def test_the_group_really_reduces_and_records_op_and_shape():
+    ops = torch.distributed.ReduceOp
+    for op, name, want in ((ops.MIN, "min", [1, 0]), (ops.MAX, "max", [4, 2])):
+        hub, values = _ranks([_reduce({0: [4, 0], 1: [1, 2], 2: [3, 1]}, op)] * 3)
+        assert values == [want] * 3 and hub.errors == [None] * 3
+        assert hub.records == [[(name, (2,))]] * 3
+
+
+def test_a_rank_left_waiting_is_reported_not_hung():
+    start = time.monotonic()
+    hub, _ = _ranks([_reduce({0: [1]}, torch.distributed.ReduceOp.MIN), lambda g: None])
+    assert hub.errors[0].startswith("Hang: collective 0: rank 0 waits in MIN shape [1], rank 1 issues nothing")
+    # a peer that is still busy: the timeout ends the wait
+    hub, _ = _ranks([_reduce({0: [1]}, torch.distributed.ReduceOp.MIN), lambda g: time.sleep(1.0)], 0.3)
+    assert hub.errors[0].startswith("Hang:") and "rank 1 issues nothing yet" in hub.errors[0]
+    assert hub.errors[1] is None and time.monotonic() - start < 4
+
+
+def test_collectives_of_different_shapes_mismatch_on_both_ranks():
+    hub, _ = _ranks([_reduce({0: [1], 1: [1, 1]}, torch.distributed.ReduceOp.MIN)] * 2)
+    assert all(e.startswith("Mismatch: collective 0: rank 0 issues MIN shape [1], rank 1 issues MIN shape [2]")
+               for e in hub.errors)
+
+
+# -- the command line -------------------------------------------------------------------
+def test_the_command_prints_the_table_and_exits_1_where_a_release_differs(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["conform", "--points", "--sglang", "0.5.21", "--random", "1", "--json", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:3] == ["0.5.21", "decode", "fits-head-of-line"] and "differs" in line for line in lines)
+    assert lines[-1] == "16 checks: 9 match, 5 reproduce, 2 differ"
+    assert out.read_text().count('"scenario"') == 16
+
+
+def test_seed_without_points_is_refused(capsys):
+    assert main(["conform", "--sglang", "0.5.23", "--seed", "3"]) == 2
+    assert "--seed and --random need --points" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--variant", "gate"], "unknown iteration variant 'gate'"),
+    (["--swap"], "--points does not combine with --swap"),
+    (["--random", "-1"], "--random must be in [0, 1000]"),
+    (["--sglang", "0.5.7"], "SGLang 0.5.7 is not in"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    argv = ["conform", "--points", *(["--sglang", "0.5.23"] if "--sglang" not in args else []), *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def _pending_in_the_min(name: str) -> IterVariant:
+    """The release's variant with its prealloc MIN holding the pending requests too,
+    capped at Bootstrapping until their dp rank resolves: STRICT_PREALLOC's members and
+    gate with the release's skip (spec points reused, nothing new)."""
+    v = ITER_VARIANTS[name]
+    skip = next(p.skip for p in v.points if p.name == "prealloc_poll")
+    return IterVariant(f"{name}+pending", v.releases, tuple(
+        replace(STRICT_PREALLOC, skip=skip) if p.name == "prealloc_poll" else p for p in v.points))
+
+
+def test_with_the_pending_requests_in_the_min_every_decode_difference_but_head_of_line_goes(rows):
+    """What resolve-split and the random decode rows show: the releases poll a pending
+    request's receiver in the prealloc MIN (Bootstrapping, or Failed, before ``init``).
+    Configured so, each release's variant matches or reproduces on every decode scenario
+    except the FIFO admission's head-of-line one."""
+    scenarios = {(s.name, s.side): s for s in points.fixed_scenarios() + points.random_scenarios(0, 6)}
+    left = set()
+    for r in rows:
+        if r["side"] != "decode":
+            continue
+        other = points.compare(scenarios[(r["scenario"], "decode")], _pending_in_the_min(r["variant"]), r["run"])
+        if other["verdict"] == "differs":
+            left.add((r["scenario"], other["detail"]))
+        if r["scenario"] == "resolve-split":      # no hang: the split resolution is a split stage
+            assert (other["verdict"], other["invariant"]) == ("reproduces", "stages_agree"), other
+    assert left == {("fits-head-of-line", "rank 0 request 1: spec TRANSFER, release READY")}
