@@ -484,7 +484,8 @@ def obligations() -> list[Obligation]:
         out.append(Obligation("consistent:actions", name, "proved", True, _consistent))
         out.append(Obligation("refines:spec", name, "proved", False, _refines))
     from proofs.agreement import iteration_obligations     # the decode iteration's rows
-    return out + iteration_obligations()
+    from proofs.clocks import clock_obligations             # per-rank clocks' rows
+    return out + iteration_obligations() + clock_obligations()
 
 
 def run_obligation(ob: Obligation, st: Settings) -> Outcome:
