@@ -62,7 +62,7 @@ def _clock_fns(u: ClockUnbounded, tag: str = "0") -> tuple[Callable, Callable]:
     elapsed = z3.Function(f"elapsed{tag}", u.rank, u.req, z3.IntSort())
     dt = z3.Function(f"dt{tag}", u.rank, z3.IntSort())
     k = z3.Const(f"kdt{tag}", u.rank)
-    u.axioms.append(z3.ForAll([k], dt(k) >= 1))
+    u.axioms += [z3.ForAll([k], dt(k) >= 1), u.forall(lambda k, r: elapsed(k, r) >= 0)]
     return elapsed, dt
 
 

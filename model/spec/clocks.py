@@ -42,7 +42,7 @@ class CStage(IntEnum):
 C = CStage
 CLOCK_INPUTS: dict[str, tuple[int, ...]] = {
     "poll": (0, 2, 3, 4),   # this rank's receiver: Failed, WaitingForInput, Transferring, Success
-    "ack": (0, 1),          # prefill's abort ack reaches this rank this step
+    "ack": (0, 1),          # prefill's abort ack has reached this rank (the env's choice each step)
     "finish": (0, 1),       # the request finishes in this forward (rank 0's outputs)
 }
 DERIVED = ("expired", "release")    # the verdicts, from the clocks (never chosen freely)
