@@ -104,8 +104,10 @@ RELEASE_LOCAL = Point("deferred_release", Op.LOCAL, (C.HELD,), ((1, C.GONE),), i
 # 0.5.23 (resolve_deferred_releases): released only where every rank holding it is acked
 # or timed out, the MIN of that flag
 RELEASE_MIN = Point("deferred_release", Op.MIN, (C.HELD,), ((1, C.GONE),), Skip.EMPTY, input="release")
-# the scheduler's _abort_on_waiting_timeout: each rank on its own clock (#27221)
+# the scheduler's _abort_on_waiting_timeout (0.5.12 to 0.5.19): each rank on its own clock (#27221)
 ABORT_LOCAL = Point("abort_on_timeout", Op.LOCAL, (C.QUEUED,), ((1, C.GONE),), input="expired")
+# 0.5.21 on: _poll_timeout_aborts on attn-TP rank 0 only, its AbortReqs broadcast with recv_requests
+ABORT_BROADCAST = Point("abort_on_timeout", Op.BROADCAST, (C.QUEUED,), ((1, C.GONE),), input="expired", shape=1)
 ABORT_MAX = Point("abort_on_timeout", Op.MAX, (C.QUEUED,), ((1, C.GONE),), Skip.EMPTY, input="expired")
 FORWARD = Point("forward", Op.ALL_REDUCE, (C.QUEUED,), ((1, C.GONE),), Skip.EMPTY, input="finish")
 
@@ -123,10 +125,12 @@ def _cv(name: str, releases: str, points: tuple[Point, ...], timers: tuple[Timer
 CLOCK_VARIANTS: dict[str, ClockVariant] = {v.name: v for v in (
     _cv("clocks-0.5.12", "SGLang 0.5.12 to 0.5.18", (_poll(C.GONE), ABORT_LOCAL, FORWARD),
         (WAIT_RECEIVER, QUEUE_TIMER)),
-    _cv("clocks-0.5.19", "SGLang 0.5.19 to 0.5.22 (deferred release on)",
+    _cv("clocks-0.5.19", "SGLang 0.5.19 (deferred release on)",
         (_poll(C.HELD), RELEASE_LOCAL, ABORT_LOCAL, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
+    _cv("clocks-0.5.21", "SGLang 0.5.21 (deferred release on)",
+        (_poll(C.HELD), RELEASE_LOCAL, ABORT_BROADCAST, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
     _cv("clocks-0.5.23", "SGLang 0.5.23 (deferred release on)",
-        (_poll(C.HELD), RELEASE_MIN, ABORT_LOCAL, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
+        (_poll(C.HELD), RELEASE_MIN, ABORT_BROADCAST, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
     # strict: every verdict goes through a collective (the poll's MIN, the release's MIN,
     # the abort's MAX), and every stage is timed whatever the receiver says
     _cv("clocks-strict", "this project", (_poll(C.HELD), RELEASE_MIN, ABORT_MAX, FORWARD),
