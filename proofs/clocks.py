@@ -4,8 +4,10 @@
                     history, any dt >= 1 (any skew), any environment and symbolic limits:
                     P issues alike and leaves the stages agreed (unbounded); where a
                     release breaks it, a CTI from the smallest exact universe.
-  safety:clocks_agree / induction:   the whole step, the same way (with the agreed
-                    initial state: every step of every run, by induction).
+  safety:clocks_agree   every point in turn, each from any agreed start of step: they
+                    compose into the whole step (with the agreed initial state: every
+                    step of every run, by induction). Its siblings: the releases'
+                    induction:point rows, the same queries.
   liveness:bounded_wait   strict: stages and ages agreed, age <= elapsed and age < limit
                     at every timed stage is inductive (symbolic limits, any skew, a backend
                     that never fails, acks that never come) and holds initially: a request
