@@ -23,7 +23,7 @@ MUTANT_DEADLINE_S = 600.0     # one mutant: the whole suite is far quicker than 
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    area: str                       # kernel, variant, machine, min, encoding, lemmas, iteration, agreement, pipeline
+    area: str                       # kernel, variant, machine, min, encoding, lemmas, iteration, agreement, pipeline, clocks
     bug: str                        # what it gets wrong, in words
     apply: Callable[[], None]       # patches the running process
     first: tuple[str, ...] = ()     # obligation keys (obligation@variant) to try first
@@ -505,6 +505,63 @@ PIPELINE_MUTANTS: list[Mutant] = [
            _positions_agree_trivial, ("cex:positions_agree@pp-prefill-0.5.23",)),
 ]
 MUTANTS += PIPELINE_MUTANTS
+
+
+# -- per-rank clocks' mutants (model/spec/clocks.py, its encoding) ------------------------
+def _clock_strict(point: str | None = None, **changes: Any) -> Callable[[], None]:
+    """Change clocks-strict: one point's fields (``op`` by its value), or its timers
+    (``timers``); the bound bounded_wait asks for is not the variant's and stays."""
+    def apply() -> None:
+        from model.spec.agreement import Op
+        from model.spec.clocks import CLOCK_VARIANTS
+        v = CLOCK_VARIANTS["clocks-strict"]
+        if point is None:
+            CLOCK_VARIANTS[v.name] = replace(v, **changes)
+            return
+        fields = {k: Op(x) if k == "op" else x for k, x in changes.items()}
+        points = tuple(replace(p, **fields) if p.name == point else p for p in v.iter.points)
+        CLOCK_VARIANTS[v.name] = replace(v, iter=replace(v.iter, points=points))
+    return apply
+
+
+def _strict_transfer_untimed() -> None:
+    from model.spec import clocks
+    timers = tuple(clocks.WAIT_RECEIVER if t is clocks.WAIT_ANY else t for t in clocks.STRICT_TIMERS)
+    _clock_strict(timers=timers)()
+
+
+def _clock_frozen() -> None:
+    from model.spec import clocks
+    original = clocks.advance
+    _replace_everywhere(original, lambda start, after, elapsed, age, dt, ops=clocks.PY:
+                        original(start, after, elapsed, age, 0, ops))
+
+
+def _limit_zero_allowed() -> None:
+    from model.encoding import clocks
+    original = clocks.symbolic_limits
+
+    def weakened(tag=""):
+        limits, _ = original(tag)
+        return limits, [x >= 0 for x in limits.values()]
+    _replace_everywhere(original, weakened)
+
+
+CLOCK_MUTANTS: list[Mutant] = [
+    Mutant("clocks-strict-transfer-untimed", "clocks", "strict times WaitingForInput only, as the receivers (#31800)",
+           _strict_transfer_untimed, ("liveness:bounded_wait@clocks-strict",)),
+    Mutant("clocks-strict-abort-local", "clocks", "strict aborts a timed-out request on each rank's own clock (#27221)",
+           _clock_strict("abort_on_timeout", op="local"), ("safety:point:abort_on_timeout@clocks-strict",)),
+    Mutant("clocks-strict-release-local", "clocks", "strict releases a held request on each rank's own ack or clock",
+           _clock_strict("deferred_release", op="local"), ("safety:point:deferred_release@clocks-strict",)),
+    Mutant("clocks-strict-poll-unguarded", "clocks", "strict's poll ignores the timeout verdict",
+           _clock_strict("transfer_poll", gate=None), ("liveness:bounded_wait@clocks-strict",)),
+    Mutant("clocks-frozen", "clocks", "a rank's clock does not advance while a request waits",
+           _clock_frozen, ("liveness:bounded_wait@clocks-strict",)),
+    Mutant("clocks-encoding-limit-zero", "encoding", "the encoded limits may be 0 units",
+           _limit_zero_allowed, ("liveness:bounded_wait@clocks-strict",)),
+]
+MUTANTS += CLOCK_MUTANTS
 
 
 @dataclass

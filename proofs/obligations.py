@@ -485,7 +485,8 @@ def obligations() -> list[Obligation]:
         out.append(Obligation("refines:spec", name, "proved", False, _refines))
     from proofs.agreement import iteration_obligations     # the decode iteration's rows
     from proofs.pipeline import pipeline_obligations       # pipeline parallel's (pp-*)
-    return out + iteration_obligations() + pipeline_obligations()
+    from proofs.clocks import clock_obligations             # per-rank clocks' rows
+    return out + iteration_obligations() + pipeline_obligations() + clock_obligations()
 
 
 def run_obligation(ob: Obligation, st: Settings) -> Outcome:

@@ -65,6 +65,8 @@ class Unbounded:
         if universe is not None:                       # rank 0 is the first rank
             self.axioms.append(self.root == self.ranks[0])
         self._n = 0
+        self.witnesses: list[z3.FuncDeclRef] = []      # each reduction's witness rank (per request)
+        self.triggers: list[tuple[z3.FuncDeclRef, StageFn]] = []   # each "some member triggers"
 
     def _name(self, base: str) -> str:
         self._n += 1
@@ -91,6 +93,7 @@ class Unbounded:
         witness request's trigger (a skolem function)."""
         some = z3.Function(self._name(f"issues_{name}"), self.rank, z3.BoolSort())
         wit = z3.Function(self._name(f"trigger_{name}"), self.rank, self.req)
+        self.triggers.append((some, trig))
         self.axioms += [self.forall(lambda k, r: z3.Implies(trig(k, r), some(k))),
                         self.forall(lambda k, r: z3.Implies(some(k), trig(k, wit(k))))]
         return some
@@ -101,6 +104,7 @@ class Unbounded:
         red = z3.Function(self._name(f"{op.value}_{name}"), self.req, z3.IntSort())
         wit = z3.Function(self._name(f"witness_{name}"), self.req, self.rank)
         bound = (lambda a, b: a <= b) if op is Op.MIN else (lambda a, b: a >= b)
+        self.witnesses.append(wit)
         self.axioms += [self.forall(lambda k, r: bound(red(r), contrib(k, r))),
                         self.forall(lambda k, r: red(r) == contrib(wit(r), r))]
         return red

@@ -24,6 +24,8 @@ from model.spec.trace import (MAX_CLAIMS, TraceFormatError, TraceInputError, _in
 from model.spec.iteration import ITER_VARIANTS
 from model.spec.pipeline import PP_VARIANTS
 from model.spec.itertrace import IterationValidation, is_iteration_header, validate_iterations
+from model.spec.clocks import CLOCK_VARIANTS
+from model.spec.clocktrace import ClockValidation, is_clock_header, validate_clocks
 from model.spec.variants import ABLATIONS, VARIANTS
 
 
@@ -117,12 +119,13 @@ def _show(rec: Event) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="NDJSON trace (docs/trace-format.md): step or iteration trace")
-    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS, *PP_VARIANTS]),
+    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS, *PP_VARIANTS,
+                                                *CLOCK_VARIANTS]),
                    help="replay against this variant or ablation instead of the header's "
-                        "(iter-*, prefill-* and pp-* for iteration traces)")
+                        "(iter-*, prefill-* and pp-* for iteration traces, clocks-* for clock traces)")
 
 
-def violation_line(result: ValidationResult | IterationValidation) -> str | None:
+def violation_line(result: ValidationResult | IterationValidation | ClockValidation) -> str | None:
     """The line naming the first invariant the replay saw break (validate and replay
     print it), or None."""
     if not result.first_violation:
@@ -133,15 +136,23 @@ def violation_line(result: ValidationResult | IterationValidation) -> str | None
             f"(ranks {list(viol.ranks)}, requests {list(viol.reqs)})")
 
 
-def validate_any(lines: Iterable[str], variant: str | None) -> ValidationResult | IterationValidation:
-    """An iteration trace (by its header's format) or a step trace."""
+def validate_any(lines: Iterable[str], variant: str | None
+                 ) -> ValidationResult | IterationValidation | ClockValidation:
+    """An iteration or clock trace (by its header's format) or a step trace."""
     lines = iter(lines)
     head = next(lines, "")
     try:
-        iterations = is_iteration_header(json.loads(head))
+        header = json.loads(head)
+        iterations, clocks = is_iteration_header(header), is_clock_header(header)
     except (ValueError, RecursionError):
-        iterations = False          # the step trace reader names what is wrong with it
+        iterations = clocks = False     # the step trace reader names what is wrong with it
     lines = itertools.chain([head], lines)
+    if clocks:
+        if variant is not None and variant not in CLOCK_VARIANTS:
+            raise TraceFormatError(1, f"--variant {variant} is not a clock variant; this is a clock trace")
+        return validate_clocks(lines, variant)
+    if variant in CLOCK_VARIANTS:
+        raise TraceFormatError(1, f"--variant {variant} is a clock variant; this is not a clock trace")
     if iterations:
         return validate_iterations(lines, variant)
     if variant in ITER_VARIANTS or variant in PP_VARIANTS:
