@@ -45,13 +45,13 @@ MAX_ITER_RANKS, MAX_ITER_REQS, MAX_ITERATIONS = 2, 2, 3
 CTI_UNIVERSES = ((2, 1), (2, 2))
 # Which points break agreement in which release (verified, row by row, by the solver).
 BREAKS: dict[str, tuple[str, ...]] = {
-    "iter-0.5.12": ("resolve_pending", "admission"),
-    "iter-0.5.13": ("resolve_pending", "prealloc_poll", "admission", "transfer_poll"),
-    "iter-0.5.19": ("deferred_release", "resolve_pending", "prealloc_poll", "admission", "transfer_poll",
+    "iter-0.5.12": ("admission",),
+    "iter-0.5.13": ("prealloc_poll", "admission", "transfer_poll"),
+    "iter-0.5.19": ("deferred_release", "prealloc_poll", "admission", "transfer_poll",
                     "defer_release"),
-    "iter-0.5.21": ("deferred_release", "resolve_pending", "admission", "transfer_poll", "defer_release",
+    "iter-0.5.21": ("deferred_release", "admission", "transfer_poll", "defer_release",
                     "kv_checksum", "offload_drain_progress", "offload_drain"),
-    "iter-0.5.23": ("resolve_pending", "admission", "transfer_poll", "offload_drain_progress",
+    "iter-0.5.23": ("admission", "transfer_poll", "offload_drain_progress",
                     "offload_drain"),
     "iter-strict": (),
     "prefill-0.5.12": ("bootstrap_poll",),

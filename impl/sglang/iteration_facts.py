@@ -103,7 +103,9 @@ def mechanisms_modelled(v: IterVariant) -> Mechanisms:
     checksum = by.get("kv_checksum")
     hold, host = by.get("defer_release"), by.get("deferred_release_host")
     release = host or by.get("deferred_release")
-    return Mechanisms(resolve=resolve.op if resolve else Op.MIN,
+    # no point of its own: resolution is rank-local, read by the prealloc MIN (its cap)
+    folded = by["prealloc_poll"].gate == "unresolved"
+    return Mechanisms(resolve=resolve.op if resolve else Op.LOCAL if folded else Op.MIN,
                       prealloc_skip=by["prealloc_poll"].skip, admission=by["admission"].op,
                       transfer_veto=by["transfer_poll"].veto is not None,
                       checksum=checksum.op if checksum else None,

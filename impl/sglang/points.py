@@ -35,7 +35,7 @@ __all__ = ["Scenario", "check", "compare", "fixed_scenarios", "load", "no_buffer
 
 S, P = Stage, PStage
 # the points each queue method runs, in the variants' names
-COVERED = {"decode": ("resolve_pending", "prealloc_poll", "admission"),
+COVERED = {"decode": ("prealloc_poll", "admission"),
            "prefill": ("bootstrap_poll",)}
 
 
@@ -151,10 +151,12 @@ def _decode_places(q: Any, reqs: list[Any], out: Any, start: Sequence[int]) -> l
             places.append(S.GONE)
         elif id(req) in moved:
             places.append(S.TRANSFER)
-        elif id(req) in pending and id(req) in held:
-            places.append(S.PENDING)
+        elif id(req) in held and held[id(req)].waiting_for_input:
+            places.append(S.READY)
         elif id(req) in held:
-            places.append(S.READY if held[id(req)].waiting_for_input else S.PREALLOC)
+            # resolving the dp rank is not a move in the spec (it lifts the poll's cap at
+            # Bootstrapping): a request still handshaking keeps the place it started at
+            places.append(S.PENDING if id(req) in pending or was == S.PENDING else S.PREALLOC)
         else:
             places.append(S.GONE if was in DECODE_START else was)   # left unaccounted: gone
     return [int(x) for x in places]

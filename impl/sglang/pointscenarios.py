@@ -99,7 +99,9 @@ def random_scenarios(seed: int, count: int) -> list[Scenario]:
     rng, out = random.Random(seed), []
     for i in range(count):
         ranks, reqs = (3, 1) if i % 3 == 2 else (2, 2)
-        pick = lambda n: [[rng.choice(INPUTS[n]) for _ in range(reqs)] for _ in range(ranks)]
+        # ``resolved`` is the fake resolver's (the dp-rank query answers): 0 or 1
+        domain = lambda n: (0, 1) if n == "resolved" else INPUTS[n]
+        pick = lambda n: [[rng.choice(domain(n)) for _ in range(reqs)] for _ in range(ranks)]
         for side, start in (("decode", DECODE_START), ("prefill", PREFILL_START)):
             row = [rng.choice(start) for _ in range(reqs)]
             stages = [list(row) for _ in range(ranks)]
@@ -142,7 +144,10 @@ def trace_scenarios(path: str, covered: dict[str, tuple[str, ...]]) -> list[Scen
             before, inp = res.points[first].before, obj["inputs"]
             name = f"{Path(path).stem}#{obj['i']}"
             if side == "decode":
-                out.append(decode_scenario(name, before, **{n: inp[n] for n in ("resolved", "handshake", "fits")}))
+                # the spec's ``unresolved`` cap is the resolver not answering this rank
+                resolved = [[1 - x for x in row] for row in inp["unresolved"]]
+                out.append(decode_scenario(name, before, resolved=resolved,
+                                           **{n: inp[n] for n in ("handshake", "fits")}))
             else:
                 free = [sum(1 for r, s in enumerate(row) if s == P.BOOTSTRAP and not inp["no_buffer"][k][r])
                         for k, row in enumerate(before)]

@@ -33,14 +33,13 @@ S = Stage
 # Every input the points read, with the values the environment may choose.
 INPUTS: dict[str, tuple[int, ...]] = {
     "arrive": (0, 1),        # rank 0's recv_requests returns the request this iteration
-    "resolved": (0, 1),      # this rank resolved the prefill dp rank (a bootstrap query)
     "handshake": (0, 1, 2),  # this rank's receiver: Failed, Bootstrapping, WaitingForInput
     "fits": (0, 1),          # this rank's token budget admits the request (pop_preallocated)
     "transfer": (0, 3, 4),   # this rank's receiver: Failed, Transferring, Success
     "held": (0, 1),          # host staging cannot allocate / HiCache restore pending here
     "corrupt": (0, 1),       # this rank's KV checksum mismatches
     "finish": (0, 1),        # the request finishes in this forward (rank 0's outputs)
-    "unresolved": (0, 1),    # strict's gate: this rank has not resolved the dp rank yet
+    "unresolved": (0, 1),    # this rank has not resolved the prefill dp rank yet (its poll: <= Bootstrapping)
     "bootstrap": (0, 1, 2),  # prefill: this rank's sender: Failed, Bootstrapping, WaitingForInput
     "no_buffer": (0, 1),     # prefill: this rank has no free metadata buffer
     "hold": (0, 1, 2),       # a failed transfer on this rank: release now, hold (prefill notified),
@@ -53,12 +52,18 @@ ITERATION_NAMES = ("collectives_agree", "no_local_decision_after_min", "stages_a
 
 RECV = Point("recv_requests", Op.BROADCAST, (S.ABSENT,), ((1, S.PENDING),), input="arrive", shape=1)
 OFFLOAD = Point("offload_progress", Op.MIN, shape=2)            # check_offload_progress qsizes
-RESOLVE = Point("resolve_pending", Op.LOCAL, (S.PENDING,), ((1, S.PREALLOC),), input="resolved")
 _HANDSHAKE = ((0, S.GONE), (2, S.READY))
 
 
 def prealloc(skip: Skip) -> Point:
-    return Point("prealloc_poll", Op.MIN, (S.PREALLOC, S.READY), _HANDSHAKE, skip, input="handshake")
+    """``_update_handshake_waiters``: one MIN over the whole prealloc queue. A request
+    whose prefill dp rank this rank has not resolved yet (``_resolve_pending_reqs``,
+    rank-local) is in that queue too (``add`` enqueues it before resolving): its
+    receiver, not yet ``init``ed, polls at most Bootstrapping (the ``unresolved`` cap).
+    So resolution reaches the other ranks only through the MIN; the release's skip
+    decides when the MIN is issued."""
+    return Point("prealloc_poll", Op.MIN, (S.PENDING, S.PREALLOC, S.READY), _HANDSHAKE, skip,
+                 input="handshake", gate="unresolved", gate_value=1)
 
 
 ADMIT_LOCAL = Point("admission", Op.LOCAL, (S.READY,), ((1, S.TRANSFER),), input="fits")
@@ -91,8 +96,7 @@ FORWARD = Point("forward", Op.ALL_REDUCE, (S.RUNNING,), ((1, S.GONE),), Skip.EMP
 
 # strict: every rank-local fact goes through a gate before the collective, so nothing
 # local is left after it; the skips read only agreed stages.
-STRICT_PREALLOC = Point("prealloc_poll", Op.MIN, (S.PENDING, S.PREALLOC, S.READY), _HANDSHAKE,
-                        Skip.EMPTY, input="handshake", gate="unresolved", gate_value=1)
+STRICT_PREALLOC = prealloc(Skip.EMPTY)
 STRICT_ADMIT = Point("admission", Op.MIN, (S.READY,), ((1, S.TRANSFER),), Skip.EMPTY, input="fits")
 STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_DEFER.moves, Skip.EMPTY,
                         input="transfer", gate="held", gate_value=3)
@@ -120,7 +124,7 @@ def _sglang(name: str, releases: str, skip: Skip, transfer: Point, checksum: Poi
             drain: tuple[Point, ...] = ()) -> IterVariant:
     """In event-loop order: process_decode_queue (offload, deferred releases, the queues),
     then the next batch (prebuilt, checksum, retraction's drain), then the forward."""
-    return IterVariant(name, releases, (RECV, OFFLOAD, *release, RESOLVE, prealloc(skip), ADMIT_LOCAL,
+    return IterVariant(name, releases, (RECV, OFFLOAD, *release, prealloc(skip), ADMIT_LOCAL,
                                         transfer, *hold, checksum, *drain, FORWARD))
 
 

@@ -16,7 +16,7 @@ S = Stage
 
 def _inputs(v, ranks=2, reqs=1, **per_rank):
     """Every input at its 'proceed' value on every rank; per_rank overrides by name."""
-    proceed = {"arrive": 1, "resolved": 1, "handshake": 2, "fits": 1, "transfer": 4, "held": 0,
+    proceed = {"arrive": 1, "handshake": 2, "fits": 1, "transfer": 4, "held": 0,
                "corrupt": 0, "finish": 0, "unresolved": 0, "hold": 0, "drained": 1, "retract": 0}
     out = {n: [[proceed[n]] * reqs for _ in range(ranks)] for n in v.inputs()}
     for name, rows in per_rank.items():
@@ -38,13 +38,27 @@ def test_a_request_goes_from_the_broadcast_to_the_forward_in_one_iteration_on_ev
         assert _names(res, 0)[0] == "recv_requests" and _names(res, 0)[-1] == "forward"
 
 
-def test_the_empty_queue_early_return_skips_the_prealloc_min_on_one_rank():
-    """#36928: one rank resolved the request, the other not: only one issues the MIN."""
+def test_a_request_pending_on_one_rank_is_still_polled_by_both():
+    """The releases enqueue a request in the prealloc queue before resolving its dp rank
+    (``add``): a rank that has not resolved it polls Bootstrapping (the cap), and both
+    ranks issue the MIN and keep it pending: no break (as the wheels run, conform
+    --points)."""
     v = ITER_VARIANTS["iter-0.5.21"]
-    res = run_iteration(v, initial_stages(2, 1), _inputs(v, resolved=[[1], [0]]))
-    assert "prealloc_poll" in _names(res, 0) and "prealloc_poll" not in _names(res, 1)
-    (viol,) = collectives_agree(res)
-    assert "collective 2" in viol.detail and "prealloc_poll" in viol.detail
+    res = run_iteration(v, initial_stages(2, 1), _inputs(v, unresolved=[[0], [1]]))
+    assert "prealloc_poll" in _names(res, 0) and res.records[0] == res.records[1]
+    assert res.stages == ((S.PENDING,), (S.PENDING,))
+    assert iteration_violations(res, v) == []
+
+
+def test_a_split_admission_splits_the_next_collective():
+    """Rank-local admission (``pop_preallocated``'s token budget): one rank moves the
+    request to its transfer queue, the other keeps it; the transfer queue's empty-queue
+    return then skips the MIN on one rank only (#36928's shape, where the wheels have it)."""
+    v = ITER_VARIANTS["iter-0.5.21"]
+    res = run_iteration(v, initial_stages(2, 1), _inputs(v, fits=[[1], [0]], transfer=[[3], [3]]))
+    assert "transfer_poll" in _names(res, 0) and "transfer_poll" not in _names(res, 1)
+    (viol, *_) = collectives_agree(res)
+    assert "transfer_poll" in viol.detail
 
 
 def test_strict_gates_the_unresolved_rank_instead():
@@ -112,13 +126,13 @@ def _trace(tmp_path, v, inputs_seq, claim=None, records=True):
 
 def test_validate_replays_an_iteration_trace_and_confirms_its_claim(tmp_path, capsys):
     v = ITER_VARIANTS["iter-0.5.21"]
-    path = _trace(tmp_path, v, [_inputs(v, resolved=[[1], [0]])], claim=True)
+    path = _trace(tmp_path, v, [_inputs(v, fits=[[1], [0]], transfer=[[3], [3]])], claim=True)
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "OK: 1 iterations" in out and "collectives_agree breaks at iteration 0" in out
     # the same trace against strict: its recorded collectives are not strict's
-    assert main(["validate", str(path), "--variant", "iter-strict"]) == 2    # strict reads other inputs
-    assert "'unresolved'" in capsys.readouterr().err
+    assert main(["validate", str(path), "--variant", "iter-strict"]) == 1    # strict agrees on admission
+    assert "['admission', 'min', 1]] in the spec" in capsys.readouterr().out
 
 
 def test_validate_refuses_a_claim_and_records_the_spec_does_not_make(tmp_path, capsys):
