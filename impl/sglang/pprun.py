@@ -1,0 +1,362 @@
+"""``pdgate conform --pp``: each pinned release's own PP decode transfer consensus run on
+PP stages x TP ranks threads, compared per (stage, rank) with the ``pp-*`` variant of
+model/spec/pipeline.py that models the release (impl/sglang/pp_facts.py MODELLED_BY).
+
+What runs, from the release's wheel (``SchedulerPPMixin`` of scheduler_pp_mixin.py and
+decode.py's ``DecodeTransferQueue``): ``_pp_pd_get_decode_transferred_ids`` (stage 0's
+``get_rids``: poll + TP-MIN of its transfer queue, Success and Failed kept alike; a later
+stage receives the previous list and intersects), ``_pp_pd_send_consensus_release_ids``
+(the last stage sends its list round the ring; a middle stage forwards what it got) and
+``process_decode_transfer_queue`` -> ``pop_transferred(rids)`` (the second poll + TP-MIN,
+gated from 0.5.13). Read only: ``event_loop_pp_disagg_decode`` (the microbatch loop; the
+driver ``_stage_body`` calls those functions in its order for one microbatch) and the P2P
+helpers ``_pp_send_pyobj_to_next_stage`` / ``_pp_recv_pyobj_from_prev_stage`` (their
+rank arithmetic differs by release; here a fake ring: TP rank 0 of a stage sends, TP rank
+0 of the next receives and broadcasts to its stage, every op recorded, a missing message
+a ``Hang`` after the timeout).
+
+Verdicts per (release, scenario), as conform --points: ``matches`` (per (stage, rank) the
+same TP collectives and every request at the same place), ``reproduces I`` (that, and the
+spec and the release's run both break I), ``differs`` (the first difference).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from impl.sglang import fakes, stubs, threadgroup as tg
+from impl.sglang.pp_facts import MIXIN, MODELLED_BY
+from impl.sglang.release import _call_with
+from impl.sglang.wheels import open_wheel
+from model.spec.pipeline import (PP_VARIANTS, QStage, check_pp_inputs, initial_pp_stages,
+                                 pipeline_violations, run_pipeline)
+
+Q = QStage
+SUCCESS, FAILED = 4, 0
+
+
+@dataclass(frozen=True)
+class PPScenario:
+    name: str
+    pp: int
+    ranks: int                                   # TP ranks per stage
+    inputs: dict[str, list[list[int]]]           # transfer, unlanded: [stage*T+rank][request]
+
+    @property
+    def requests(self) -> int:
+        return len(self.inputs["transfer"][0])
+
+
+def pp_scenario(name: str, transfer: list[list[int]], unlanded: list[list[int]] | None = None,
+                pp: int = 2) -> PPScenario:
+    rows = len(transfer)
+    return PPScenario(name, pp, rows // pp, {
+        "transfer": transfer, "unlanded": unlanded or [[0] * len(transfer[0]) for _ in range(rows)]})
+
+
+def fixed_pp_scenarios() -> list[PPScenario]:
+    """2 stages x 2 TP ranks (rows stage-major: s0r0, s0r1, s1r0, s1r1)."""
+    S, F, T = SUCCESS, FAILED, 3
+    return [
+        pp_scenario("all-success", [[S, S]] * 4),
+        pp_scenario("one-transferring", [[S, S], [S, T], [S, S], [S, S]]),   # r1 out of the ring
+        pp_scenario("all-failed", [[F]] * 4),
+        # induction:pp_agree's universe: stage 0 Success, stage 1 Failed (the ring's "finished")
+        pp_scenario("stage-split-failure", [[S], [S], [F], [F]]),
+        # induction:pp_agree_no_failure: all Success, stage 1 rank 1's metadata row not landed
+        pp_scenario("gated-second-min", [[S]] * 4, [[0], [0], [0], [1]]),
+    ]
+
+
+# -- the fake ring between stages ------------------------------------------------------
+class Ring:
+    """P2P messages between stages (``(src, dst)`` FIFO) and each stage's broadcast of
+    what its TP rank 0 received; every op recorded per (stage, rank) row."""
+
+    def __init__(self, pp: int, ranks: int, timeout_s: float):
+        self.pp, self.ranks, self.timeout_s = pp, ranks, timeout_s
+        self.boxes: dict[tuple[int, int], list[Any]] = {}
+        self.casts: dict[tuple[int, int], Any] = {}
+        self.records: list[list[tuple[str, int]]] = [[] for _ in range(pp * ranks)]
+        self._recvs = [0] * (pp * ranks)
+        self._cv = threading.Condition()
+
+    def _wait(self, ready: Any, what: str) -> Any:
+        end = time.monotonic() + self.timeout_s
+        with self._cv:
+            while not ready():
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise tg.Hang(what)
+                self._cv.wait(min(left, 0.05))
+            return ready()
+
+    def send(self, s: int, k: int, data: Any) -> list:
+        dst = (s + 1) % self.pp
+        self.records[s * self.ranks + k].append(("send", dst))
+        if k == 0:                        # only attn TP rank 0 sends (the mixin's helper)
+            with self._cv:
+                self.boxes.setdefault((s, dst), []).append(list(data))
+                self._cv.notify_all()
+        return []
+
+    def recv(self, s: int, k: int) -> Any:
+        src, row = (s - 1) % self.pp, s * self.ranks + k
+        self.records[row].append(("recv", src))
+        seq = self._recvs[row]
+        self._recvs[row] += 1
+        if k == 0:
+            box = self.boxes.setdefault((src, s), [])
+            self._wait(lambda: bool(box), f"stage {s} rank 0 waits for stage {src}'s list {seq}, none sent")
+            with self._cv:
+                data = box.pop(0)
+                self.casts[(s, seq)] = data
+                self._cv.notify_all()
+            return data
+        return list(self._wait(lambda: self.casts.get((s, seq)),
+                               f"stage {s} rank {k} waits for its stage's broadcast {seq}") or [])
+
+
+# -- one release loaded, its mixin and queue built per (stage, rank) --------------------
+@dataclass
+class PPLoaded:
+    version: str
+    decode: Any
+    utils: Any
+    mixin: Any
+    recorder: stubs.Recorder
+    server_args: fakes.ServerArgs
+    parallel: list
+
+
+class _PPGroup:
+    def __init__(self, s: int, pp: int):
+        self.is_first_rank, self.is_last_rank = s == 0, s == pp - 1
+        self.rank_in_group, self.world_size = s, pp
+
+
+def load_pp(version: str, source: str | None = None) -> PPLoaded:
+    logging.getLogger("sglang").setLevel(logging.CRITICAL + 1)
+    wheel = open_wheel(version, source)
+    args, parallel = fakes.ServerArgs(), [None]
+    stubs.REAL_EXTRA.add(MIXIN)
+    recorder = stubs.install(wheel.source_of, fakes.provided(args, parallel))
+    fakes._Recording._recorder = recorder
+    decode = importlib.import_module("sglang.srt.disaggregation.decode")
+    utils = importlib.import_module("sglang.srt.disaggregation.utils")
+    mixin = _import_without_tqdm(MIXIN)
+    for m in (decode, utils, mixin):
+        m.dist = tg.FakeDist()
+    mixin.torch.distributed = tg.FakeDist()     # the mixin names torch.distributed directly
+    return PPLoaded(version, decode, utils, mixin, recorder, args, parallel)
+
+
+def _import_without_tqdm(name: str) -> Any:
+    """0.5.12's mixin imports tqdm (a progress bar for its chunk-size profiling, never
+    called here); a stand-in module when it is not installed, removed afterwards."""
+    import sys
+    import types
+    added = "tqdm" not in sys.modules and importlib.util.find_spec("tqdm") is None
+    if added:
+        sys.modules["tqdm"] = types.ModuleType("tqdm")
+        sys.modules["tqdm"].tqdm = lambda it=None, *a, **kw: it     # type: ignore[attr-defined]
+    try:
+        return importlib.import_module(name)
+    finally:
+        if added:
+            del sys.modules["tqdm"]
+
+
+def _fallback(self: Any, name: str) -> Any:
+    if name.startswith("__") and name.endswith("__"):
+        raise AttributeError(name)
+    fakes._Recording._recorder.note(f"fake Scheduler.{name}")
+    return stubs.make_stub(f"fake Scheduler.{name}", fakes._Recording._recorder)()
+
+
+def _stage_rank(rel: PPLoaded, sc: PPScenario, s: int, k: int, hub: tg.Hub, ring: Ring) -> tuple[Any, list]:
+    """The mixin object of (stage s, TP rank k): its own transfer queue holding every
+    request, each receiver polling this row's ``transfer`` input, its metadata row
+    landed unless ``unlanded``."""
+    u, d, row = rel.utils, rel.decode, s * sc.ranks + k
+    group = tg.Group(hub, k, sc.ranks)
+    rel.parallel[0] = fakes.Parallel(group, k, sc.ranks)
+    slots = sc.requests
+    buffers = _call_with(u.MetadataBuffers, {"size": slots, "hidden_size": 16,
+                                             "hidden_states_dtype": torch.float32,
+                                             "max_sampling_mask_tokens": 16})
+    allocator = u.ReqToMetadataIdxAllocator(slots)
+    sched = fakes.Scheduler(rel.server_args)
+    queue = _call_with(d.DecodeTransferQueue, {
+        "gloo_group": group, "req_to_metadata_buffer_idx_allocator": allocator, "tp_rank": k,
+        "metadata_buffers": buffers, "scheduler": sched, "tree_cache": fakes.TreeCache()})
+    kv_mgr, reqs = fakes.KvManager(False), []
+    for r in range(sc.requests):
+        slot = allocator.alloc()
+        recv = fakes.KvReceiver(kv_mgr)
+        recv.state = sc.inputs["transfer"][row][r]
+        req = fakes.Req(str(r), 100 + r)
+        if not sc.inputs["unlanded"][row][r]:
+            buffers.bootstrap_room[slot, 0] = 100 + r
+            buffers.output_ids[slot, 0] = 7
+            recv.landed |= {"room", "payload"}
+        queue.add(d.DecodeRequest(req=req, kv_receiver=recv, metadata_buffer_index=slot))
+        reqs.append(req)
+    cls = type("PPScheduler", (rel.mixin.SchedulerPPMixin,), {"__getattr__": _fallback})
+    m = object.__new__(cls)
+    m.__dict__.update(
+        pp_group=_PPGroup(s, sc.pp), pp_rank=s, pp_size=sc.pp, tp_rank=k, tp_size=sc.ranks,
+        disagg_decode_transfer_queue=queue, attn_tp_cpu_group=group, tp_cpu_group=group,
+        attn_cp_cpu_group=tg.Group(None, 0, 1), enable_hisparse=False, waiting_queue=[],
+        _pp_send_pyobj_to_next_stage=lambda data, async_send=False: ring.send(s, k, data),
+        _pp_recv_pyobj_from_prev_stage=lambda: ring.recv(s, k))
+    return m, reqs
+
+
+def _stage_body(m: Any, last: bool) -> list:
+    """One microbatch of event_loop_pp_disagg_decode's transfer part, in its order:
+    the stage's list (recv + intersect on a later stage), sent on (not the last stage);
+    the last stage sends its list round the ring as the release list; each stage
+    receives the release list, pops with it, and a middle stage forwards it."""
+    transferred = m._pp_pd_get_decode_transferred_ids()
+    if not last:
+        m._pp_send_pyobj_to_next_stage(transferred, async_send=True)
+    tmbs = [transferred]
+    if last:
+        m._pp_pd_send_consensus_release_ids(tmbs, 0, None, transferred)
+    release = m._pp_recv_pyobj_from_prev_stage()
+    m.process_decode_transfer_queue(release)
+    if not last:                      # the next microbatch forwards it down the stages
+        m._pp_pd_send_consensus_release_ids(tmbs, 0, release, transferred)
+    return release
+
+
+@dataclass
+class PPRun:
+    records: list[list[tuple[str, int]]]        # TP collectives per (stage, rank)
+    ring: list[list[tuple[str, int]]]           # P2P ops per (stage, rank)
+    places: list[list[int]]
+    errors: list[str | None]
+    hung: bool = field(default=False)
+
+
+def _places(m: Any, reqs: list) -> list[int]:
+    held = {id(dr.req) for dr in m.disagg_decode_transfer_queue.queue}
+    popped = {id(r) for r in m.waiting_queue}
+    return [int(Q.PREBUILT if id(r) in popped else Q.TRANSFER if id(r) in held else Q.GONE) for r in reqs]
+
+
+def run_pp_release(rel: PPLoaded, sc: PPScenario, timeout_s: float = 2.0) -> PPRun:
+    ring = Ring(sc.pp, sc.ranks, timeout_s)
+    hubs = [tg.Hub(sc.ranks, timeout_s) for _ in range(sc.pp)]
+    built = [_stage_rank(rel, sc, s, k, hubs[s], ring) for s in range(sc.pp) for k in range(sc.ranks)]
+    # one thread per (stage, rank); each stage's hub sees only its own ranks finish
+    errors: list[str | None] = [None] * len(built)
+
+    def body(row: int) -> Any:
+        s, k = divmod(row, sc.ranks)
+        try:
+            return _stage_body(built[row][0], s == sc.pp - 1)
+        except Exception as exc:
+            errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise
+        finally:
+            hubs[s].finish(k, errors[row])
+
+    threads = [threading.Thread(target=lambda r=r: _quiet(body, r), daemon=True) for r in range(len(built))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 10 * timeout_s + 10
+    for row, t in enumerate(threads):
+        t.join(max(0.0, end - time.monotonic()))
+        if t.is_alive():
+            errors[row] = f"stage {row // sc.ranks} rank {row % sc.ranks} still running"
+    records = [[(op, shape[0] if shape else 0) for op, shape in rec] for h in hubs for rec in h.records]
+    hung = any(e and ("Hang" in e or "Mismatch" in e or "still running" in e) for e in errors)
+    return PPRun(records, ring.records, [_places(m, reqs) for m, reqs in built], errors, hung)
+
+
+def _quiet(body: Any, row: int) -> None:
+    try:
+        body(row)
+    except Exception:
+        pass                 # recorded in errors
+
+
+# -- the comparison ---------------------------------------------------------------------
+def compare_pp(sc: PPScenario, variant: str, run: PPRun) -> dict:
+    """The verdict of the release's run against ``variant``'s run_pipeline on the
+    scenario. Shapes are compared at the consensus MIN only: the second MIN polls the
+    whole queue where the spec counts the checked requests (docs/PROOFS.md, PP limits)."""
+    v = PP_VARIANTS[variant]
+    inputs = {n: sc.inputs[n] for n in v.inputs()}
+    check_pp_inputs(v, inputs, sc.pp, sc.ranks, sc.requests)
+    res = run_pipeline(v, sc.pp, initial_pp_stages(v, sc.pp, sc.ranks, sc.requests), inputs)
+    row: dict[str, Any] = {"scenario": sc.name, "variant": variant, "pp": sc.pp, "ranks": sc.ranks,
+                           "records": run.records, "ring": run.ring, "places": run.places,
+                           "errors": run.errors, "spec_places": [list(r) for r in res.stages],
+                           "invariant": None}
+    where = lambda k: f"stage {k // sc.ranks} rank {k % sc.ranks}"
+    for k, rec in enumerate(run.records):
+        spec = [(name, op, n) for name, op, n in res.records[k]]
+        for i in range(max(len(spec), len(rec))):
+            a = spec[i] if i < len(spec) else None
+            b = rec[i] if i < len(rec) else None
+            same = a is not None and b is not None and a[1] == b[0] and (
+                a[0] != "transfer_consensus" or a[2] == b[1])
+            if not same:
+                sa = f"{a[0]} {a[1].upper()} shape {a[2]}" if a else "nothing"
+                sb = f"{b[0].upper()} shape {b[1]}" if b else "nothing"
+                return {**row, "verdict": "differs", "detail": f"{where(k)} collective {i}: spec {sa}, release {sb}"}
+    crashed = [(k, e) for k, e in enumerate(run.errors) if e and not run.hung]
+    if crashed:
+        return {**row, "verdict": "differs", "detail": f"{where(crashed[0][0])} raised {crashed[0][1]}"}
+    broken = pipeline_violations(res, v)
+    if run.hung:
+        if any(x.invariant == "collectives_agree" for x in broken):
+            return {**row, "verdict": "reproduces", "invariant": "collectives_agree",
+                    "detail": next(e for e in run.errors if e)}
+        return {**row, "verdict": "differs", "detail": f"the release hangs ({next(e for e in run.errors if e)})"}
+    for k in range(len(run.places)):
+        for r in range(sc.requests):
+            if run.places[k][r] != res.stages[k][r]:
+                return {**row, "verdict": "differs", "detail": f"{where(k)} request {r}: spec "
+                        f"{Q(res.stages[k][r]).name}, release {Q(run.places[k][r]).name}"}
+    seen = {"collectives_agree": any(rec != run.records[(k // sc.ranks) * sc.ranks]
+                                     for k, rec in enumerate(run.records)),
+            "stages_agree": any(p != run.places[0] for p in run.places)}
+    both = [x for x in broken if seen.get(x.invariant, False)]
+    if both:
+        return {**row, "verdict": "reproduces", "invariant": both[0].invariant, "detail": both[0].detail}
+    return {**row, "verdict": "matches", "detail": ""}
+
+
+def check_pp(versions: Sequence[str], scenarios: Sequence[PPScenario], *, variant: str | None = None,
+             timeout_s: float = 2.0, source: str | None = None) -> list[dict]:
+    """Every release on every scenario, against its decode pp-* variant or ``variant``."""
+    rows = []
+    try:
+        for version in versions:
+            rel = load_pp(version, source)
+            for sc in scenarios:
+                run = run_pp_release(rel, sc, timeout_s)
+                name = variant or MODELLED_BY[version][0]
+                rows.append({"release": version, **compare_pp(sc, name, run), "run": run})
+    finally:
+        stubs.REAL_EXTRA.discard(MIXIN)
+        stubs.purge()
+    return rows
+
+
+def pp_table(rows: Sequence[dict]) -> list[str]:
+    from impl.sglang.points import describe
+    width = max(len(r["scenario"]) for r in rows)
+    return [f"{r['release']:<8} pp-decode {r['scenario']:<{width}}  {r['variant']:<10} {describe(r)}"
+            for r in rows]
