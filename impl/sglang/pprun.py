@@ -360,3 +360,52 @@ def pp_table(rows: Sequence[dict]) -> list[str]:
     width = max(len(r["scenario"]) for r in rows)
     return [f"{r['release']:<8} pp-decode {r['scenario']:<{width}}  {r['variant']:<10} {describe(r)}"
             for r in rows]
+
+
+# -- pdgate conform --pp ----------------------------------------------------------------
+_NOT_WITH_PP = ("points", "swap", "patch", "deferred", "source", "emit_diff", "local_release",
+                "reorder_rooms", "reads", "trace", "seed", "random")
+
+
+def run_pp(args: Any) -> int:
+    """The table; exit 1 if a release differs from its variant, 2 on bad input."""
+    import json
+    import sys
+    from pathlib import Path
+    from impl.sglang.conform import _versions
+    from impl.sglang.wheels import MissingRelease
+    try:
+        given = [f"--{n.replace('_', '-')}" for n in _NOT_WITH_PP if getattr(args, n, None)]
+        if given:
+            raise ValueError(f"--pp does not combine with {', '.join(given)}")
+        decode = [n for n, v in PP_VARIANTS.items() if not n.startswith("pp-prefill")]
+        if args.variant is not None and args.variant not in decode:
+            raise ValueError(f"--pp: unknown PP decode variant {args.variant!r} (known: {', '.join(decode)})")
+        if not 0 < args.collective_timeout <= 600:
+            raise ValueError("--collective-timeout must be in (0, 600] seconds")
+        versions = _versions(args.sglang)
+        unknown = [v for v in versions if v not in MODELLED_BY]
+        if unknown:
+            raise ValueError(f"--pp: no pp-* variant models {', '.join(unknown)}")
+        if args.json:
+            Path(args.json).open("a", encoding="utf-8").close()
+    except (ValueError, MissingRelease, OSError) as exc:
+        msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"pdgate conform: {msg}", file=sys.stderr)
+        return 2
+    try:
+        rows = check_pp(versions, fixed_pp_scenarios(), variant=args.variant,
+                        timeout_s=min(args.collective_timeout, 2.0))
+    except Exception as exc:          # the harness itself failed: one line
+        print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
+    for line in pp_table(rows):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: x for k, x in r.items() if k != "run"} for r in rows],
+                                              indent=1) + "\n", encoding="utf-8")
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("matches", "reproduces", "differs")}
+    print(f"{len(rows)} checks: {counts['matches']} match, {counts['reproduces']} reproduce, "
+          f"{counts['differs']} differ")
+    return 1 if counts["differs"] else 0

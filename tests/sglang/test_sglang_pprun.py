@@ -1,0 +1,89 @@
+"""pdgate conform --pp: every pinned release's own PP decode transfer consensus (the
+scheduler PP mixin's ring + pop_transferred) on 2 stages x 2 thread ranks against its
+pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED order
+(m: matches, d: differs, r:I: reproduces I):
+
+| scenario | verdicts | why |
+|---|---|---|
+| all-success, one-transferring | m x6 | every stage's ring and second MIN agree |
+| all-failed | m x5, d | 0.5.23's pop_transferred adds a MAX over its failed requests' hold flags (not in pp-0.5.13) |
+| stage-split-failure | r:stages_agree x5, d | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts; 0.5.23 adds its MAX first |
+| gated-second-min | d, r:stages_agree x5 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12 commits on stage 1 rank 0 and keeps it on rank 1 (its commit checks the metadata row, rank-local; pp-0.5.12 does not read it) |
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from impl.sglang import pprun
+from impl.sglang.wheels import PINNED
+from model.cli import main
+
+EXPECTED = {
+    "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-failed": "m m m m m d",
+    "stage-split-failure": "r:stages_agree " * 5 + "d", "gated-second-min": "d" + " r:stages_agree" * 5,
+}
+
+
+def _code(row: dict) -> str:
+    return f"r:{row['invariant']}" if row["verdict"] == "reproduces" else row["verdict"][0]
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    start = time.monotonic()
+    out = pprun.check_pp(PINNED, pprun.fixed_pp_scenarios())
+    assert time.monotonic() - start < 40
+    return out
+
+
+def test_expected_verdicts_per_release(rows: list[dict]) -> None:
+    got = {name: " ".join(_code(r) for r in rows if r["scenario"] == name) for name in EXPECTED}
+    assert got == {k: " ".join(v.split()) for k, v in EXPECTED.items()}
+
+
+def test_the_release_code_ran_its_ring_and_both_mins(rows: list[dict]) -> None:
+    r = next(x for x in rows if x["release"] == "0.5.13" and x["scenario"] == "all-success")
+    assert r["records"] == [[("min", 2), ("min", 2)]] * 4              # each stage's two TP-MINs
+    assert r["ring"][0] == [("send", 1), ("recv", 1), ("send", 1)]      # list on, release back, forwarded
+    assert r["ring"][2] == [("recv", 0), ("send", 0), ("recv", 0)]
+    assert r["places"] == [[2, 2]] * 4 and not any(r["errors"])
+
+
+def test_the_known_differences_name_their_cause(rows: list[dict]) -> None:
+    d = {(r["release"], r["scenario"]): r["detail"] for r in rows if r["verdict"] == "differs"}
+    assert d[("0.5.23", "all-failed")] == "stage 0 rank 0 collective 2: spec nothing, release MAX shape 1"
+    assert d[("0.5.12", "gated-second-min")] == "stage 1 rank 1 request 0: spec PREBUILT, release TRANSFER"
+
+
+def test_a_wrong_variant_differs(rows: list[dict]) -> None:
+    """The same runs against another pp-* variant: the comparison can say no."""
+    run = next(x["run"] for x in rows if x["release"] == "0.5.13" and x["scenario"] == "gated-second-min")
+    sc = next(s for s in pprun.fixed_pp_scenarios() if s.name == "gated-second-min")
+    row = pprun.compare_pp(sc, "pp-0.5.12", run)
+    assert row["verdict"] == "differs" and "spec PREBUILT, release TRANSFER" in row["detail"]
+    split = next(s for s in pprun.fixed_pp_scenarios() if s.name == "stage-split-failure")
+    run = next(x["run"] for x in rows if x["release"] == "0.5.13" and x["scenario"] == split.name)
+    assert pprun.compare_pp(split, "pp-strict", run)["verdict"] == "differs"
+
+
+def test_a_lost_ring_message_is_a_hang_not_a_hang_of_the_test() -> None:
+    ring = pprun.Ring(2, 1, timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(pprun.tg.Hang, match="stage 1 rank 0 waits for stage 0"):
+        ring.recv(1, 0)
+    assert time.monotonic() - start < 2
+
+
+def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["conform", "--pp", "--sglang", "0.5.13", "--variant", "pp-prefill-0.5.23"]) == 2
+    assert main(["conform", "--pp", "--points", "--sglang", "0.5.13"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "unknown PP decode variant" in err[0] and "--points" in err[1]
+
+
+def test_cli_table(capsys: pytest.CaptureFixture) -> None:
+    assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 0
+    out = capsys.readouterr().out
+    assert "5 checks: 3 match, 2 reproduce, 0 differ" in out
