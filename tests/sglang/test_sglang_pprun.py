@@ -9,6 +9,15 @@ pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED o
 | all-failed | m x5, d | 0.5.23's pop_transferred adds a MAX over its failed requests' hold flags (not in pp-0.5.13) |
 | stage-split-failure | r:stages_agree x5, d | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts; 0.5.23 adds its MAX first |
 | gated-second-min | d, r:stages_agree x5 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12 commits on stage 1 rank 0 and keeps it on rank 1 (its commit checks the metadata row, rank-local; pp-0.5.12 does not read it) |
+
+0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the stages,
+zipped by position), against pp-prefill-0.5.23:
+
+| scenario | verdict |
+|---|---|
+| boot-pp-ready, boot-pp-later-stage-fails | matches (stage 1 acts on PP0's polls, not its own Failed) |
+| boot-pp-stage0-empty (cex:positions_agree) | reproduces positions_agree (stage 1 hangs in its receive) |
+| boot-pp-shifted (cex:positions_shifted) | reproduces positions_agree (PP0's Failed for request 1 aborts request 0 on stage 1) |
 """
 from __future__ import annotations
 
@@ -24,6 +33,10 @@ EXPECTED = {
     "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-failed": "m m m m m d",
     "stage-split-failure": "r:stages_agree " * 5 + "d", "gated-second-min": "d" + " r:stages_agree" * 5,
 }
+
+
+PREFILL = {"boot-pp-ready": "m", "boot-pp-later-stage-fails": "m",
+           "boot-pp-stage0-empty": "r:positions_agree", "boot-pp-shifted": "r:positions_agree"}
 
 
 def _code(row: dict) -> str:
@@ -87,3 +100,23 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
     assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 0
     out = capsys.readouterr().out
     assert "5 checks: 3 match, 2 reproduce, 0 differ" in out
+
+
+@pytest.fixture(scope="module")
+def prefill_rows() -> list[dict]:
+    return pprun.check_pp_prefill(pprun.prefill_pp_scenarios())
+
+
+def test_prefill_forwarding_by_position(prefill_rows: list[dict]) -> None:
+    assert {r["scenario"]: _code(r) for r in prefill_rows} == PREFILL
+    ready = prefill_rows[0]
+    assert ready["records"] == [[("min", 2)], [("min", 2)], [("pp_recv", 0)], [("pp_recv", 0)]]
+    assert ready["ring"][0] == [("pp_send", 2)]               # each TP rank of PP0 sends its list
+    shifted = prefill_rows[3]
+    assert shifted["places"][2] == [4, 1]                     # request 0 GONE, request 1 still queued
+
+
+def test_prefill_against_strict_differs(prefill_rows: list[dict]) -> None:
+    sc = pprun.prefill_pp_scenarios()[1]
+    row = pprun.compare_pp(sc, "pp-prefill-strict", prefill_rows[1]["run"])
+    assert row["verdict"] == "differs" and "release PP_RECV" in row["detail"]
