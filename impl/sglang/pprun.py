@@ -8,12 +8,15 @@ decode.py's ``DecodeTransferQueue``): ``_pp_pd_get_decode_transferred_ids`` (sta
 stage receives the previous list and intersects), ``_pp_pd_send_consensus_release_ids``
 (the last stage sends its list round the ring; a middle stage forwards what it got) and
 ``process_decode_transfer_queue`` -> ``pop_transferred(rids)`` (the second poll + TP-MIN,
-gated from 0.5.13). Read only: ``event_loop_pp_disagg_decode`` (the microbatch loop; the
-driver ``_stage_body`` calls those functions in its order for one microbatch) and the P2P
-helpers ``_pp_send_pyobj_to_next_stage`` / ``_pp_recv_pyobj_from_prev_stage`` (their
-rank arithmetic differs by release; here a fake ring: TP rank 0 of a stage sends, TP rank
-0 of the next receives and broadcasts to its stage, every op recorded, a missing message
-a ``Hang`` after the timeout).
+gated from 0.5.13), and the P2P helpers ``_pp_send_pyobj_to_next_stage`` /
+``_pp_recv_pyobj_from_prev_stage`` (TP rank 0 sends / receives, then broadcasts to its
+stage) over fakes of the primitives they call (``point_to_point_pyobj``,
+``broadcast_pyobj`` / ``attn_cp_tp_broadcast_pyobj``: ``Ring``, every op recorded, a
+missing message a ``Hang`` after the timeout). Read only: ``event_loop_pp_disagg_decode``
+(the microbatch loop; the driver ``_stage_body`` calls those functions in its order for
+one microbatch). 0.5.23 prefill: ``pop_bootstrapped`` with ``pp_size`` 2 runs whole
+(``poll_and_all_reduce_prefill_pp``, ``pp_sync_polls``), the PP group's
+``send_object`` / ``recv_object`` faked by ``Ring``.
 
 Verdicts per (release, scenario), as conform --points: ``matches`` (per (stage, rank) the
 same TP collectives and every request at the same place), ``reproduces I`` (that, and the
@@ -98,31 +101,37 @@ class Ring:
                 self._cv.wait(min(left, 0.05))
             return ready()
 
-    def send(self, s: int, k: int, data: Any) -> list:
-        dst = (s + 1) % self.pp
-        self.records[s * self.ranks + k].append(("send", dst))
-        if k == 0:                        # only attn TP rank 0 sends (the mixin's helper)
+    # the primitives the mixin's own _pp_send_pyobj_to_next_stage /
+    # _pp_recv_pyobj_from_prev_stage call, by global rank (stage * T + TP rank)
+    def point_to_point(self, data: Any, rank: int, src: int, dst: int) -> Any:
+        s, k = divmod(rank, self.ranks)
+        if rank == src:
+            self.records[rank].append(("send", dst // self.ranks))
             with self._cv:
-                self.boxes.setdefault((s, dst), []).append(list(data))
+                self.boxes.setdefault((src, dst), []).append(list(data))
                 self._cv.notify_all()
-        return []
+            return []
+        if rank != dst:
+            raise tg.CollectiveError(f"rank {rank} in a point-to-point from {src} to {dst}")
+        self.records[rank].append(("recv", src // self.ranks))
+        box = self.boxes.setdefault((src, dst), [])
+        self._wait(lambda: bool(box), f"stage {s} rank {k} waits for stage {src // self.ranks}'s list, none sent")
+        with self._cv:
+            return box.pop(0)
 
-    def recv(self, s: int, k: int) -> Any:
-        src, row = (s - 1) % self.pp, s * self.ranks + k
-        self.records[row].append(("recv", src))
+    def broadcast(self, data: Any, s: int, k: int) -> Any:
+        """TP rank 0's ``data`` to every TP rank of stage s (one broadcast per call)."""
+        row = s * self.ranks + k
+        self.records[row].append(("bcast", s))
         seq = self._recvs[row]
         self._recvs[row] += 1
         if k == 0:
-            box = self.boxes.setdefault((src, s), [])
-            self._wait(lambda: bool(box), f"stage {s} rank 0 waits for stage {src}'s list {seq}, none sent")
             with self._cv:
-                data = box.pop(0)
-                self.casts[(s, seq)] = data
+                self.casts[(s, seq)] = [data]
                 self._cv.notify_all()
             return data
-        return list(self._wait(lambda: self.casts.get((s, seq)),
-                               f"stage {s} rank {k} waits for its stage's broadcast {seq}") or [])
-
+        return self._wait(lambda: self.casts.get((s, seq)),
+                          f"stage {s} rank {k} waits for its stage's broadcast {seq}")[0]
 
     # the PP group's per-rank object P2P (GroupCoordinator.send_object / recv_object):
     # TP rank k of stage s to TP rank k of the next stage, used by 0.5.23's pp_sync_polls
@@ -184,7 +193,7 @@ def load_pp(version: str, source: str | None = None) -> PPLoaded:
     mixin = _import_without_tqdm(MIXIN)
     for m in (decode, utils, mixin):
         m.dist = tg.FakeDist()
-    mixin.torch.distributed = tg.FakeDist()     # the mixin names torch.distributed directly
+    _install_p2p(mixin)
     return PPLoaded(version, decode, utils, mixin, recorder, args, parallel)
 
 
@@ -245,9 +254,58 @@ def _stage_rank(rel: PPLoaded, sc: PPScenario, s: int, k: int, hub: tg.Hub, ring
         pp_group=_PPGroup(s, sc.pp), pp_rank=s, pp_size=sc.pp, tp_rank=k, tp_size=sc.ranks,
         disagg_decode_transfer_queue=queue, attn_tp_cpu_group=group, tp_cpu_group=group,
         attn_cp_cpu_group=tg.Group(None, 0, 1), enable_hisparse=False, waiting_queue=[],
-        _pp_send_pyobj_to_next_stage=lambda data, async_send=False: ring.send(s, k, data),
-        _pp_recv_pyobj_from_prev_stage=lambda: ring.recv(s, k))
+        attn_tp_rank=k, attn_cp_rank=0, attn_dp_rank=0, attn_tp_size=sc.ranks, attn_cp_size=1,
+        attn_tp_group=_TPGroup(s, k, sc.ranks), ps=_parallel_of(s, k, sc.pp, sc.ranks))
     return m, reqs
+
+
+class _TPGroup:
+    """``attn_tp_group`` (0.5.12 to 0.5.19 broadcast from its first rank)."""
+
+    def __init__(self, s: int, k: int, ranks: int):
+        self.rank, self.ranks = s * ranks + k, [s * ranks + j for j in range(ranks)]
+
+
+class _Where(threading.local):
+    """The (stage, TP rank) of the calling thread: what the fake P2P primitives and
+    ``get_parallel`` (0.5.21+ mixin) answer for."""
+    ring: Any = None
+    s: int = 0
+    k: int = 0
+    pp: int = 1
+    ranks: int = 1
+
+
+_WHERE = _Where()
+
+
+def _point_to_point_pyobj(data: Any, rank: int, group: Any, src: int, dst: int, async_send: bool = False) -> Any:
+    return _WHERE.ring.point_to_point(data, rank, src, dst)
+
+
+def _broadcast_pyobj(data: Any, rank: int = 0, group: Any = None, src: int = 0, *a: Any, **kw: Any) -> Any:
+    return _WHERE.ring.broadcast(data, _WHERE.s, _WHERE.k)
+
+
+def _parallel_of(s: int, k: int, pp: int, ranks: int) -> Any:
+    """The parallel state of (stage s, TP rank k): ``self.ps`` (0.5.13 to 0.5.19),
+    ``get_parallel()`` (0.5.21+)."""
+    p = fakes.Parallel(None, k, ranks)
+    p.attn_cp_rank, p.attn_dp_rank, p.attn_cp_size = 0, 0, 1
+    p.pp_rank, p.pp_size = s, pp
+    return p
+
+
+def _parallel() -> Any:
+    return _parallel_of(_WHERE.s, _WHERE.k, _WHERE.pp, _WHERE.ranks)
+
+
+def _install_p2p(mixin: Any) -> None:
+    """The mixin's module-level P2P names (which exist depends on the release)."""
+    mixin.point_to_point_pyobj = _point_to_point_pyobj
+    mixin.broadcast_pyobj = _broadcast_pyobj
+    mixin.attn_cp_tp_broadcast_pyobj = lambda data, *a, **kw: _broadcast_pyobj(data)
+    mixin.get_parallel = _parallel
 
 
 def _stage_body(m: Any, last: bool) -> list:
@@ -292,6 +350,7 @@ def run_pp_release(rel: PPLoaded, sc: PPScenario, timeout_s: float = 2.0) -> PPR
 
     def body(row: int) -> Any:
         s, k = divmod(row, sc.ranks)
+        _WHERE.ring, _WHERE.s, _WHERE.k, _WHERE.pp, _WHERE.ranks = ring, s, k, sc.pp, sc.ranks
         try:
             return _stage_body(built[row][0], s == sc.pp - 1)
         except Exception as exc:

@@ -57,11 +57,16 @@ def test_expected_verdicts_per_release(rows: list[dict]) -> None:
 
 
 def test_the_release_code_ran_its_ring_and_both_mins(rows: list[dict]) -> None:
-    r = next(x for x in rows if x["release"] == "0.5.13" and x["scenario"] == "all-success")
-    assert r["records"] == [[("min", 2), ("min", 2)]] * 4              # each stage's two TP-MINs
-    assert r["ring"][0] == [("send", 1), ("recv", 1), ("send", 1)]      # list on, release back, forwarded
-    assert r["ring"][2] == [("recv", 0), ("send", 0), ("recv", 0)]
-    assert r["places"] == [[2, 2]] * 4 and not any(r["errors"])
+    """Every release's own P2P helpers: TP rank 0 sends and receives, then broadcasts
+    to its stage; each stage's two TP-MINs."""
+    for version in PINNED:
+        r = next(x for x in rows if x["release"] == version and x["scenario"] == "all-success")
+        assert r["records"] == [[("min", 2), ("min", 2)]] * 4
+        assert r["ring"] == [[("send", 1), ("recv", 1), ("bcast", 0), ("send", 1)],   # list on, release back, on
+                             [("bcast", 0)],
+                             [("recv", 0), ("bcast", 1), ("send", 0), ("recv", 0), ("bcast", 1)],
+                             [("bcast", 1), ("bcast", 1)]], version
+        assert r["places"] == [[2, 2]] * 4 and not any(r["errors"])
 
 
 def test_the_known_differences_name_their_cause(rows: list[dict]) -> None:
@@ -85,7 +90,9 @@ def test_a_lost_ring_message_is_a_hang_not_a_hang_of_the_test() -> None:
     ring = pprun.Ring(2, 1, timeout_s=0.2)
     start = time.monotonic()
     with pytest.raises(pprun.tg.Hang, match="stage 1 rank 0 waits for stage 0"):
-        ring.recv(1, 0)
+        ring.point_to_point([], 1, 0, 1)
+    with pytest.raises(pprun.tg.Hang, match="stage 0 rank 1 waits for its stage's broadcast"):
+        pprun.Ring(2, 2, timeout_s=0.2).broadcast(None, 0, 1)
     assert time.monotonic() - start < 2
 
 
