@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from impl.sglang import pprun
+from impl.sglang import ppprefill, pprun
 from impl.sglang.wheels import PINNED
 from model.cli import main
 
@@ -111,7 +111,7 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
 
 @pytest.fixture(scope="module")
 def prefill_rows() -> list[dict]:
-    return pprun.check_pp_prefill(pprun.prefill_pp_scenarios())
+    return ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios())
 
 
 def test_prefill_forwarding_by_position(prefill_rows: list[dict]) -> None:
@@ -124,6 +124,24 @@ def test_prefill_forwarding_by_position(prefill_rows: list[dict]) -> None:
 
 
 def test_prefill_against_strict_differs(prefill_rows: list[dict]) -> None:
-    sc = pprun.prefill_pp_scenarios()[1]
+    sc = ppprefill.prefill_pp_scenarios()[1]
     row = pprun.compare_pp(sc, "pp-prefill-strict", prefill_rows[1]["run"])
     assert row["verdict"] == "differs" and "release PP_RECV" in row["detail"]
+
+
+def test_the_wheel_code_decides_an_edited_ring_differs(tmp_path) -> None:
+    """0.5.13's mixin with the ring's intersection dropped (a later stage keeps its own
+    list): a request stage 0 has not finished is popped on stage 1, and the row that
+    matched now differs."""
+    from impl.sglang.pp_facts import MIXIN
+    from impl.sglang.wheels import open_wheel
+    text = open_wheel("0.5.13").source_of(MIXIN)[0]
+    cut = "set(prev_transferred_rids) & set(curr_transferred_rids)"
+    assert cut in text
+    path = tmp_path / "sglang/srt/managers/scheduler_pp_mixin.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(text.replace(cut, "set(curr_transferred_rids)"), encoding="utf-8")
+    sc = [s for s in pprun.fixed_pp_scenarios() if s.name == "one-transferring"]
+    row = pprun.check_pp(["0.5.13"], sc, source=str(tmp_path))[0]
+    assert row["verdict"] == "differs"
+    assert row["detail"] == "stage 1 rank 0 request 1: spec TRANSFER, release PREBUILT"
