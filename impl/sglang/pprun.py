@@ -51,6 +51,7 @@ class PPScenario:
     pp: int
     ranks: int                                   # TP ranks per stage
     inputs: dict[str, list[list[int]]]           # transfer, unlanded: [stage*T+rank][request]
+    stages: tuple[tuple[int, ...], ...] = ()     # QStage per row and request (default: all TRANSFER)
 
     @property
     def requests(self) -> int:
@@ -58,10 +59,13 @@ class PPScenario:
 
 
 def pp_scenario(name: str, transfer: list[list[int]], unlanded: list[list[int]] | None = None,
-                pp: int = 2) -> PPScenario:
-    rows = len(transfer)
+                pp: int = 2, gone: Sequence[tuple[int, int]] = ()) -> PPScenario:
+    """``gone``: (row, request) pairs not in that row's transfer queue."""
+    rows, n = len(transfer), len(transfer[0])
+    stages = tuple(tuple(int(Q.GONE if (k, r) in gone else Q.TRANSFER) for r in range(n)) for k in range(rows))
     return PPScenario(name, pp, rows // pp, {
-        "transfer": transfer, "unlanded": unlanded or [[0] * len(transfer[0]) for _ in range(rows)]})
+        "transfer": transfer, "unlanded": unlanded or [[0] * n for _ in range(rows)]},
+        stages if gone else ())
 
 
 def fixed_pp_scenarios() -> list[PPScenario]:
@@ -75,6 +79,8 @@ def fixed_pp_scenarios() -> list[PPScenario]:
         pp_scenario("stage-split-failure", [[S], [S], [F], [F]]),
         # induction:pp_agree_no_failure: all Success, stage 1 rank 1's metadata row not landed
         pp_scenario("gated-second-min", [[S]] * 4, [[0], [0], [0], [1]]),
+        # one TP rank of stage 0 no longer holds the request (aborted there alone)
+        pp_scenario("queue-split", [[S]] * 4, gone=[(1, 0)]),
     ]
 
 
@@ -225,6 +231,9 @@ def _stage_rank(rel: PPLoaded, sc: PPScenario, s: int, k: int, hub: tg.Hub, ring
         "metadata_buffers": buffers, "scheduler": sched, "tree_cache": fakes.TreeCache()})
     kv_mgr, reqs = fakes.KvManager(False), []
     for r in range(sc.requests):
+        if sc.stages and sc.stages[row][r] != Q.TRANSFER:
+            reqs.append(fakes.Req(str(r), 100 + r))    # never queued here: stays GONE
+            continue
         slot = allocator.alloc()
         recv = fakes.KvReceiver(kv_mgr)
         recv.state = sc.inputs["transfer"][row][r]
@@ -383,7 +392,8 @@ def compare_pp(sc: Any, variant: str, run: PPRun) -> dict:
     where = lambda k: f"stage {k // sc.ranks} rank {k % sc.ranks}"
     for k, rec in enumerate(run.records):
         spec = [(name, op, n) for name, op, n in res.records[k]]
-        for i in range(max(len(spec), len(rec))):
+        # a run cut short by a hang: its records a prefix of the spec's
+        for i in range(len(rec) if run.hung else max(len(spec), len(rec))):
             a = spec[i] if i < len(spec) else None
             b = rec[i] if i < len(rec) else None
             same = a is not None and b is not None and a[1] == b[0] and (

@@ -8,6 +8,7 @@ pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED o
 | all-success, one-transferring | m x6 | every stage's ring and second MIN agree |
 | all-failed | m x5, d | 0.5.23's pop_transferred adds a MAX over its failed requests' hold flags (not in pp-0.5.13) |
 | stage-split-failure | r:stages_agree x5, d | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts; 0.5.23 adds its MAX first |
+| queue-split | d x5, r:collectives_agree | one TP rank of stage 0 without the request: up to 0.5.21 it still MINs an empty poll list (shape 0, a gloo mismatch) where the spec skips; 0.5.23 skips, so its peer hangs |
 | gated-second-min | d, r:stages_agree x5 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12 commits on stage 1 rank 0 and keeps it on rank 1 (its commit checks the metadata row, rank-local; pp-0.5.12 does not read it) |
 
 0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the stages,
@@ -32,6 +33,7 @@ from model.cli import main
 EXPECTED = {
     "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-failed": "m m m m m d",
     "stage-split-failure": "r:stages_agree " * 5 + "d", "gated-second-min": "d" + " r:stages_agree" * 5,
+    "queue-split": "d d d d d r:collectives_agree",
 }
 
 
@@ -73,6 +75,7 @@ def test_the_known_differences_name_their_cause(rows: list[dict]) -> None:
     d = {(r["release"], r["scenario"]): r["detail"] for r in rows if r["verdict"] == "differs"}
     assert d[("0.5.23", "all-failed")] == "stage 0 rank 0 collective 2: spec nothing, release MAX shape 1"
     assert d[("0.5.12", "gated-second-min")] == "stage 1 rank 1 request 0: spec PREBUILT, release TRANSFER"
+    assert d[("0.5.21", "queue-split")] == "stage 0 rank 1 collective 0: spec nothing, release MIN shape 0"
 
 
 def test_a_wrong_variant_differs(rows: list[dict]) -> None:
@@ -104,9 +107,9 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_cli_table(capsys: pytest.CaptureFixture) -> None:
-    assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 0
+    assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 1     # queue-split differs
     out = capsys.readouterr().out
-    assert "5 checks: 3 match, 2 reproduce, 0 differ" in out
+    assert "6 checks: 3 match, 2 reproduce, 1 differ" in out
 
 
 @pytest.fixture(scope="module")
