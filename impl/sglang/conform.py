@@ -356,6 +356,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "takes --sglang, --variant (an iteration variant), --json, --seed, --random, and "
                         "TRACE: iteration traces (pdgate prove's iter-*/prefill-* cex), one "
                         "scenario per iteration")
+    p.add_argument("--pp", action="store_true",
+                   help="run each release's own PP decode transfer consensus (scheduler PP mixin + "
+                        "pop_transferred) on 2 stages x 2 thread ranks against its pp-* variant "
+                        "(impl/sglang/pprun.py); takes --sglang, --variant (a pp-* decode variant), --json")
     p.add_argument("--seed", type=int, metavar="S",
                    help="with --points: the seed of the random scenarios (default 0)")
     p.add_argument("--random", type=int, metavar="N",
@@ -375,6 +379,9 @@ def _versions(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from impl.sglang.wheels import MissingRelease
+    if getattr(args, "pp", False):
+        from impl.sglang.pprun import run_pp
+        return run_pp(args)
     if args.points:
         from impl.sglang.points import run_points
         return run_points(args)

@@ -25,6 +25,11 @@ REAL = ("sglang.srt.environ", "sglang.srt.disaggregation.base",
         "sglang.srt.disaggregation.base.conn", "sglang.srt.disaggregation.utils",
         "sglang.srt.disaggregation.decode_hicache_mixin", "sglang.srt.disaggregation.decode",
         "sglang.srt.disaggregation.prefill")      # prefill: only conform --points imports it
+REAL_EXTRA: set[str] = set()     # added for one run (conform --pp: the scheduler PP mixin)
+
+
+def _real(name: str) -> bool:
+    return name in REAL or name in REAL_EXTRA
 
 
 class Recorder:
@@ -114,11 +119,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != "sglang" and not fullname.startswith("sglang."):
             return None
-        is_pkg = fullname not in REAL or self.source_of(fullname)[1]
+        is_pkg = not _real(fullname) or self.source_of(fullname)[1]
         return importlib.util.spec_from_loader(fullname, self, is_package=is_pkg)
 
     def create_module(self, spec: Any) -> types.ModuleType | None:
-        if spec.name in REAL:
+        if _real(spec.name):
             return None
         module = StubModule(spec.name, self.recorder)
         for attr, value in self.provided.get(spec.name, {}).items():
@@ -126,7 +131,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        if module.__name__ not in REAL:
+        if not _real(module.__name__):
             return
         source, _ = self.source_of(module.__name__)
         code = compile(source, f"<sglang wheel>/{module.__name__.replace('.', '/')}.py", "exec")
