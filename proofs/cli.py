@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS",
                    help="per solver query (default 20)")
     p.add_argument("--list", action="store_true", help="list the obligations and exit")
+    p.add_argument("--all", action="store_true",
+                   help="also the slow rows (the explicit-state cross-checks, bmc-crosscheck); "
+                        "--only selects among all rows")
     p.add_argument("--mutants", action="store_true",
                    help="self-test: apply each built-in mutant (a small bug, in memory) in a worker and "
                         "run obligations until one flips; exit 0 iff every mutant is killed "
@@ -48,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _select(args: argparse.Namespace) -> list[Obligation]:
     obs = obligations()
+    if not args.all and not args.only:
+        obs = [o for o in obs if not o.slow]
     if args.variant:
         obs = [o for o in obs if o.variant in args.variant]
     if args.only:

@@ -15,7 +15,7 @@ from proofs.obligations import obligations
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("prove")
-    code = main(["prove", "--json", str(out / "r.json"), "--traces", str(out / "traces")])
+    code = main(["prove", "--all", "--json", str(out / "r.json"), "--traces", str(out / "traces")])
     return code, json.loads((out / "r.json").read_text())
 
 
@@ -24,6 +24,19 @@ def test_every_result_matches_its_expectation(suite):
     assert [r for r in rows if r["result"] != r["expected"]] == []
     assert code == 0
     assert len(rows) == len(obligations())
+
+
+def test_the_default_set_leaves_out_only_the_slow_rows(capsys):
+    assert main(["prove", "--list"]) == 0
+    default = capsys.readouterr().out
+    assert main(["prove", "--list", "--all"]) == 0
+    every = capsys.readouterr().out
+    slow = [o for o in obligations() if o.slow]
+    assert slow and all(o.obligation == "bmc-crosscheck" for o in slow)
+    assert len(every.splitlines()) - len(default.splitlines()) == len(slow)
+    assert "bmc-crosscheck" in every and "bmc-crosscheck" not in default
+    assert main(["prove", "--list", "--only", "bmc-crosscheck"]) == 0    # named: run
+    assert capsys.readouterr().out.count("bmc-crosscheck") == len(slow)
 
 
 def test_rows_have_the_documented_keys(suite):
