@@ -67,11 +67,14 @@ def _point(v: IterVariant, name: str) -> Point:
     return next(p for p in v.points if p.name == name)
 
 
-def _first_sat(make: Callable[[tuple[int, int] | None], Query], proof_first: bool) -> tuple[Query, str]:
+def _first_sat(make: Callable[[tuple[int, ...] | None], Query], proof_first: bool,
+               universes: tuple[tuple[int, ...], ...] = CTI_UNIVERSES,
+               names: tuple[str, ...] = ("T", "N")) -> tuple[Query, str]:
     """The unbounded answer if it is unsat (a proof), else the first sat answer in the
-    exact small universes (a concrete CTI), else the unbounded answer. ``proof_first``
-    only orders the queries (the unbounded one first where a proof is expected, since
-    a sat answer comes fastest from a small universe); the verdict is the same."""
+    exact small ``universes`` (a concrete CTI; each size labelled by ``names``), else the
+    unbounded answer. ``proof_first`` only orders the queries (the unbounded one first
+    where a proof is expected, since a sat answer comes fastest from a small universe);
+    the verdict is the same."""
     unbounded = make(None) if proof_first else None
     if unbounded is not None and unbounded.result.status == "unknown":
         # quantified queries: z3's search order follows the term ids the process has made
@@ -80,10 +83,10 @@ def _first_sat(make: Callable[[tuple[int, int] | None], Query], proof_first: boo
         unbounded = make(None)
     if unbounded is not None and unbounded.result.status == "unsat":
         return unbounded, "unbounded"
-    for u in CTI_UNIVERSES:
+    for u in universes:
         q = make(u)
         if q.result.status == "sat":
-            return q, f"T={u[0]} N={u[1]}"
+            return q, " ".join(f"{n}={x}" for n, x in zip(names, u))
     return unbounded or make(None), "unbounded"
 
 

@@ -41,6 +41,7 @@ from model.spec.itertrace import IterationTraceWriter
 from model.spec.pipeline import (PP_VARIANTS, PPVariant, initial_pp_stages, pipeline_violations,
                                  positions, run_pipeline)
 from proofs.obligations import Obligation, Outcome, Settings
+from proofs.agreement import _first_sat as first_sat
 
 PP, MAX_PP_RANKS, MAX_PP_REQS, MAX_PP_ITERATIONS = 2, 2, 2, 2
 CTI_UNIVERSES = ((2, 1, 1), (2, 2, 1))      # (stages, ranks per stage, requests)
@@ -60,17 +61,9 @@ def _unbounded(v: PPVariant) -> bool:
     return all(p.across is not Across.PP0 for p in v.points)
 
 
-def _first_sat(make: Callable[[tuple[int, int, int] | None], Query], proof_first: bool) -> tuple[Query, str]:
-    """As proofs/agreement.py's: the unbounded answer where it is a proof, else the first
-    sat answer in the exact small universes (a CTI), else the unbounded answer."""
-    unbounded = make(None) if proof_first else None
-    if unbounded is not None and unbounded.result.status == "unsat":
-        return unbounded, "unbounded"
-    for u in CTI_UNIVERSES:
-        q = make(u)
-        if q.result.status == "sat":
-            return q, f"stages={u[0]} T={u[1]} N={u[2]}"
-    return unbounded or make(None), "unbounded"
+def _first_sat(make: Callable[[tuple[int, ...] | None], Query], proof_first: bool) -> tuple[Query, str]:
+    """proofs/agreement.py's, over the pipeline's universes (stages, ranks, requests)."""
+    return first_sat(make, proof_first, CTI_UNIVERSES, ("stages", "T", "N"))
 
 
 def _preserves(ob: Obligation, st: Settings) -> Outcome:

@@ -379,10 +379,18 @@ def run_points(args: Any) -> int:
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)
         return 1
-    for line in table(rows):
+    return report(rows, table(rows), args.json)
+
+
+def report(rows: list[dict], lines: list[str], json_path: str | None) -> int:
+    """Print a verdict table and its counts, write the rows (``--json``); exit status 1
+    where some row differs (``--points`` and ``--pp``)."""
+    import json
+    from pathlib import Path
+    for line in lines:
         print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps([{k: x for k, x in r.items() if k != "run"} for r in rows],
+    if json_path:
+        Path(json_path).write_text(json.dumps([{k: x for k, x in r.items() if k != "run"} for r in rows],
                                               indent=1) + "\n", encoding="utf-8")
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("matches", "reproduces", "differs")}
     print(f"{len(rows)} checks: {counts['matches']} match, {counts['reproduces']} reproduce, "

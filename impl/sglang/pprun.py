@@ -495,12 +495,5 @@ def run_pp(args: Any) -> int:
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)
         return 1
-    for line in pp_table(rows):
-        print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps([{k: x for k, x in r.items() if k != "run"} for r in rows],
-                                              indent=1) + "\n", encoding="utf-8")
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("matches", "reproduces", "differs")}
-    print(f"{len(rows)} checks: {counts['matches']} match, {counts['reproduces']} reproduce, "
-          f"{counts['differs']} differ")
-    return 1 if counts["differs"] else 0
+    from impl.sglang.points import report
+    return report(rows, list(pp_table(rows)), args.json)

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from model.spec.agreement import Op, Point, Skip, any_of
 from model.spec.invariants import Violation
 from model.spec.iteration import (PYF, Folds, IterationResult, IterVariant, PointResult, Record,
-                                  apply_point, iteration_violations)
+                                  apply_point, check_grid, iteration_violations)
 from model.spec.kernel import PY, Ops
 from model.spec.timeouts import steps_for
 
@@ -242,16 +242,7 @@ def check_env(v: ClockVariant, dt: object, env: Mapping[str, object], ranks: int
     if not isinstance(dt, (list, tuple)) or len(dt) != ranks:
         raise ValueError(f"'dt' must list {ranks} ranks")
     bound.check(dt)
-    for name, domain in CLOCK_INPUTS.items():
-        rows = env.get(name)
-        if not isinstance(rows, (list, tuple)) or len(rows) != ranks:
-            raise ValueError(f"input {name!r} must list {ranks} ranks")
-        for k, row in enumerate(rows):
-            if not isinstance(row, (list, tuple)) or len(row) != requests:
-                raise ValueError(f"input {name!r} rank {k} must list {requests} requests")
-            for x in row:
-                if isinstance(x, bool) or x not in domain:
-                    raise ValueError(f"input {name!r} rank {k} holds {x!r}, outside {domain}")
+    check_grid(env, CLOCK_INPUTS, ranks, requests)
 
 
 def check_limits(limits: Mapping[str, object]) -> dict[str, int]:

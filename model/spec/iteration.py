@@ -282,7 +282,14 @@ def run_iteration(v: IterVariant, stages: Stages, inputs: Inputs) -> IterationRe
 def check_inputs(v: IterVariant, inputs: Mapping[str, object], ranks: int, requests: int) -> None:
     """Raise ValueError naming the first input that is missing, of the wrong shape or
     outside its domain."""
-    for name in v.inputs():
+    check_grid(inputs, {name: INPUTS[name] for name in v.inputs()}, ranks, requests)
+
+
+def check_grid(inputs: Mapping[str, object], domains: Mapping[str, tuple[int, ...]], ranks: int,
+               requests: int) -> None:
+    """Each named input one list per rank of one value per request, in its domain;
+    ValueError naming the first that is not."""
+    for name, domain in domains.items():
         rows = inputs.get(name)
         if not isinstance(rows, (list, tuple)) or len(rows) != ranks:
             raise ValueError(f"input {name!r} must list {ranks} ranks")
@@ -290,8 +297,8 @@ def check_inputs(v: IterVariant, inputs: Mapping[str, object], ranks: int, reque
             if not isinstance(row, (list, tuple)) or len(row) != requests:
                 raise ValueError(f"input {name!r} rank {k} must list {requests} requests")
             for x in row:
-                if isinstance(x, bool) or x not in INPUTS[name]:
-                    raise ValueError(f"input {name!r} rank {k} holds {x!r}, outside {INPUTS[name]}")
+                if isinstance(x, bool) or x not in domain:
+                    raise ValueError(f"input {name!r} rank {k} holds {x!r}, outside {domain}")
 
 
 # -- the invariants ---------------------------------------------------------------------
