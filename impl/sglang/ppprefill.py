@@ -7,8 +7,6 @@ compared with ``pp-prefill-0.5.23`` (model/spec/pipeline.py) by ``pprun.compare_
 """
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -91,14 +89,7 @@ def run_pp_prefill(rel: Any, sc: PPPrefillScenario, timeout_s: float = 2.0) -> P
         finally:
             hubs[s].finish(k, errors[row])
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(built))]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + 10 * timeout_s + 10
-    for row, t in enumerate(threads):
-        t.join(max(0.0, end - time.monotonic()))
-        if t.is_alive():
-            errors[row] = f"stage {row // sc.ranks} rank {row % sc.ranks} still running"
+    tg.join_rows([lambda r=r: body(r) for r in range(len(built))], timeout_s, sc.ranks, errors)
     tp = [[(op, shape[0] if shape else 0) for op, shape in rec] for h in hubs for rec in h.records]
     # what the spec records per row: stage 0's TP-MIN, a later stage's receive
     records = [tp[k] + [x for x in ring.records[k] if x[0] == "pp_recv"] for k in range(len(built))]

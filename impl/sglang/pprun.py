@@ -355,14 +355,7 @@ def run_pp_release(rel: PPLoaded, sc: PPScenario, timeout_s: float = 2.0) -> PPR
         finally:
             hubs[s].finish(k, errors[row])
 
-    threads = [threading.Thread(target=lambda r=r: _quiet(body, r), daemon=True) for r in range(len(built))]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + 10 * timeout_s + 10
-    for row, t in enumerate(threads):
-        t.join(max(0.0, end - time.monotonic()))
-        if t.is_alive():
-            errors[row] = f"stage {row // sc.ranks} rank {row % sc.ranks} still running"
+    tg.join_rows([lambda r=r: _quiet(body, r) for r in range(len(built))], timeout_s, sc.ranks, errors)
     records = [[(op, shape[0] if shape else 0) for op, shape in rec] for h in hubs for rec in h.records]
     hung = any(e and ("Hang" in e or "Mismatch" in e or "still running" in e) for e in errors)
     return PPRun(records, ring.records, [_places(m, reqs) for m, reqs in built], errors, hung)

@@ -169,3 +169,18 @@ def run_threads(hub: Hub, bodies: Sequence[Callable[[], Any]], deadline_s: float
         if t.is_alive():
             hub.finish(k, f"rank {k} still running after {deadline_s:g} s")
     return values
+
+
+def join_rows(bodies: Sequence[Callable[[], None]], timeout_s: float, ranks: int,
+              errors: list) -> None:
+    """Each (stage, rank) body in a daemon thread of its own (row s*ranks + k), all
+    waited for at most 10 x ``timeout_s`` + 10 s in all; a row still running then is
+    marked in ``errors`` (its thread is left: daemon, it cannot hold the process)."""
+    threads = [threading.Thread(target=body, daemon=True) for body in bodies]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 10 * timeout_s + 10
+    for row, t in enumerate(threads):
+        t.join(max(0.0, end - time.monotonic()))
+        if t.is_alive():
+            errors[row] = f"stage {row // ranks} rank {row % ranks} still running"
