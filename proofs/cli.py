@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from model.spec.clocks import CLOCK_VARIANTS
+from model.spec.variants import brief
 from model.spec.iteration import ITER_VARIANTS
 from model.spec.pipeline import PP_VARIANTS
 from proofs.obligations import (ALL_VARIANTS, FactKey, Obligation, Outcome, Settings, bundle_inductive,
@@ -30,7 +31,7 @@ def _usage_error(prog: str) -> "callable":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.error = _usage_error("pdgate prove")            # one line, exit 2
     p.add_argument("--variant", action="append", metavar="V",
-                   help=f"only this variant (repeatable; known: {', '.join([*ALL_VARIANTS, *ITER_VARIANTS, *PP_VARIANTS, *CLOCK_VARIANTS])})")
+                   help=f"only this variant (repeatable; known: {brief([*ALL_VARIANTS, *ITER_VARIANTS, *PP_VARIANTS, *CLOCK_VARIANTS])}; --list names them)")
     p.add_argument("--only", action="append", metavar="TEXT",
                    help="only obligations whose name contains TEXT (repeatable)")
     p.add_argument("--json", metavar="PATH", help="write the results as a JSON list")
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     known = [*ALL_VARIANTS, *ITER_VARIANTS, *PP_VARIANTS, *CLOCK_VARIANTS]
     unknown = [v for v in args.variant or [] if v not in known]
     if unknown:
-        print(f"{err}unknown variant {unknown[0]!r} (known: {', '.join(known)})", file=sys.stderr)
+        print(f"{err}unknown variant {unknown[0]!r} (known: {brief(known)}; --list names them)",
+              file=sys.stderr)
         return 2
     if args.jobs < 1:
         print(f"{err}--jobs must be >= 1, got {args.jobs}", file=sys.stderr)

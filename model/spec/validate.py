@@ -25,6 +25,7 @@ from model.spec.iteration import ITER_VARIANTS
 from model.spec.pipeline import PP_VARIANTS
 from model.spec.itertrace import IterationValidation, is_iteration_header, validate_iterations
 from model.spec.clocks import CLOCK_VARIANTS
+from model.spec.variants import brief
 from model.spec.clocktrace import ClockValidation, is_clock_header, validate_clocks
 from model.spec.variants import ABLATIONS, VARIANTS
 
@@ -119,8 +120,13 @@ def _show(rec: Event) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="NDJSON trace (docs/trace-format.md): step or iteration trace")
-    p.add_argument("--variant", choices=sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS, *PP_VARIANTS,
-                                                *CLOCK_VARIANTS]),
+    known = sorted([*VARIANTS, *ABLATIONS, *ITER_VARIANTS, *PP_VARIANTS, *CLOCK_VARIANTS])
+
+    def variant(name: str) -> str:
+        if name not in known:        # argparse's own message would list every name
+            raise argparse.ArgumentTypeError(f"unknown variant {name!r} (known: {brief(known)})")
+        return name
+    p.add_argument("--variant", type=variant, metavar="V",
                    help="replay against this variant or ablation instead of the header's "
                         "(iter-*, prefill-* and pp-* for iteration traces, clocks-* for clock traces)")
 

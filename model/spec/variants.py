@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Iterable
 
 
 class Admission(Enum):
@@ -157,3 +158,16 @@ def get_variant(name: str, timeout_steps: int | None = None,
             raise ValueError(f"{field_name} must be an integer >= 1, got {value!r}")
         variant = replace(variant, **{field_name: value})
     return variant
+
+
+FAMILIES = ("iter-", "prefill-", "pp-", "clocks-")
+
+
+def brief(names: Iterable[str]) -> str:
+    """Variant names for a one-line error: the transfer queue's by name, the families of
+    the iteration, pipeline and clock variants as ``iter-* (6)`` (``pdgate prove --list``
+    lists them all)."""
+    names = list(names)
+    plain = [n for n in names if not n.startswith(FAMILIES)]
+    counts = {f: sum(n.startswith(f) for n in names) for f in FAMILIES}
+    return ", ".join([*plain, *(f"{f}* ({c})" for f, c in counts.items() if c)])
