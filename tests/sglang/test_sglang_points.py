@@ -170,14 +170,16 @@ def cex_dir(tmp_path_factory):
 
 def test_the_spec_counterexamples_run_as_scenarios(cex_dir):
     """pdgate prove's cex traces, one scenario per iteration, on the release its variant
-    models: the release's code reproduces every one (the local-Failed skip's hang, the
-    split admission, the whole iteration's first break)."""
+    models: the release's code reproduces the local-Failed skip's hang and the split
+    admission, and contradicts none."""
     paths = sorted(cex_dir.glob("*.jsonl"))
     scenarios = [sc for p in paths for sc in points.trace_scenarios(str(p), points.COVERED)]
     got = {r["scenario"]: (_code(r), r["detail"]) for r in points.check(["0.5.13"], scenarios)}
     assert got["iter-0.5.13.cex-point-prealloc_poll#1"][0] == "r:collectives_agree"
     assert got["iter-0.5.13.cex-point-admission#0"][0] == "r:stages_agree"
-    assert got["iter-0.5.13.cex-collectives_agree#0"][0].startswith("r:")
+    # the whole iteration's counterexample is the solver's choice: its first break may lie
+    # past the points this code covers (then the covered part matches), never against them
+    assert got["iter-0.5.13.cex-collectives_agree#0"][0] != "d"
     assert not [k for k, (code, _) in got.items() if code == "d"], got
     assert got["prefill-0.5.12.cex-collectives_agree#0"][0] == "r:no_local_decision_after_min"
 
