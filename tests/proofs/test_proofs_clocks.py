@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from model.cli import main
+from tests.proofs.rows import prove_rows
+
 from model.encoding.clocks import bounded_wait_inductive, preserves_clocked, refines_clocked
 from model.spec.clocks import CLOCK_VARIANTS, clock_step
 from model.spec.validate import validate_any
@@ -16,14 +17,7 @@ from proofs.mutants import CLOCK_MUTANTS, run_all
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("clocks")
-    argv = ["prove", "--json", str(out / "r.json"), "--traces", str(out / "traces")]
-    for name in CLOCK_VARIANTS:
-        argv += ["--variant", name]
-    code = main(argv)
-    got = json.loads((out / "r.json").read_text())
-    assert code == 0, [r for r in got if r["result"] != r["expected"]]
-    return got
+    return prove_rows(tmp_path_factory.mktemp("clocks"), CLOCK_VARIANTS)
 
 
 def test_every_clock_row_is_as_expected(rows):

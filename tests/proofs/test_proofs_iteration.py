@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from tests.proofs.rows import prove_rows
+
 from model.cli import main
 from model.encoding.iteration import decides_agreed, preserves
 from model.spec.iteration import ITER_VARIANTS
@@ -15,14 +17,7 @@ from proofs.mutants import ITERATION_MUTANTS, run_all
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("iter")
-    argv = ["prove", "--json", str(out / "r.json"), "--traces", str(out / "traces")]
-    for name in ITER_VARIANTS:
-        argv += ["--variant", name]
-    code = main(argv)
-    got = json.loads((out / "r.json").read_text())
-    assert code == 0, [r for r in got if r["result"] != r["expected"]]
-    return got
+    return prove_rows(tmp_path_factory.mktemp("iter"), ITER_VARIANTS)
 
 
 def test_every_iteration_row_is_as_expected(rows):

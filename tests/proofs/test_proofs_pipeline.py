@@ -6,6 +6,8 @@ import re
 
 import pytest
 
+from tests.proofs.rows import prove_rows
+
 from model.cli import main
 from model.encoding.pipeline import preserves_pp
 from model.spec.pipeline import PP_VARIANTS
@@ -16,14 +18,7 @@ from proofs.pipeline import BREAKS, pipeline_obligations
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp")
-    argv = ["prove", "--json", str(out / "r.json"), "--traces", str(out / "traces")]
-    for name in PP_VARIANTS:
-        argv += ["--variant", name]
-    code = main(argv)
-    got = json.loads((out / "r.json").read_text())
-    assert code == 0, [r for r in got if r["result"] != r["expected"]]
-    return got
+    return prove_rows(tmp_path_factory.mktemp("pp"), PP_VARIANTS)
 
 
 def test_every_pipeline_row_is_as_expected(rows):
