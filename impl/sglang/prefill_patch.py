@@ -34,12 +34,17 @@ from typing import Any, Callable
 _ROOM_SPANS: list[tuple[int, int]] = []     # (address, bytes) of every bootstrap_room
 _LOCAL = threading.local()                   # per transfer worker: inside send_aux?
 COUNTS = {"rows": 0, "room_last": 0, "room_withheld": 0}
+# called with a copy of COUNTS after each change, under the lock (the live prefill writes
+# them to a file at once: a deployment torn down right after its last row keeps its count)
+ON_COUNT: list[Callable[[dict[str, int]], None]] = []
 _COUNT_LOCK = threading.Lock()
 
 
 def _count(name: str) -> None:
     with _COUNT_LOCK:
         COUNTS[name] += 1
+        for listener in ON_COUNT:
+            listener(dict(COUNTS))
 
 
 def in_room(address: int) -> bool:

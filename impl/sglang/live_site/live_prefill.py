@@ -1,7 +1,7 @@
 """Inside the live SGLang 0.5.23 prefill (``pdgate live``), set by the environment:
 
 - ``PDGATE_LIVE_PATCH=strict``: strict's prefill side (impl/sglang/prefill_patch.py: the
-  metadata room written after the rest of the row), its counts written every half second
+  metadata room written after the rest of the row), its counts written at each change
   by each process that loaded the sender to ``$PDGATE_LIVE_LOG_DIR/prefill_patch.PID.json``
   (the parent adds them up and reports them: the patch ran);
 - ``PDGATE_LIVE_FAIL_SEND=RANK``: every KV transfer to decode rank RANK returns failure,
@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from typing import Any, Callable
 
 CONN = "sglang.srt.disaggregation.mooncake.conn"
 
 
-def _write_counts(path: str) -> None:
-    from impl.sglang.prefill_patch import COUNTS
-    while True:
+def _counts_writer(path: str) -> Callable[[dict[str, int]], None]:
+    """Writes the counts it is given to ``path`` atomically (a reader never sees half)."""
+    def write(counts: dict[str, int]) -> None:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fp:
-            json.dump(COUNTS, fp)
+            json.dump(counts, fp)
         os.replace(tmp, path)
-        time.sleep(0.5)
+    return write
 
 
 def _failing(own: Callable[..., int], rank: int, position: int) -> Callable[..., int]:
@@ -55,11 +53,12 @@ def install(after_import: Callable[[str, Callable[[Any], None]], None]) -> None:
 
     def at_conn(conn: Any) -> None:
         if strict:
-            from impl.sglang.prefill_patch import room_last
+            from impl.sglang.prefill_patch import COUNTS, ON_COUNT, room_last
             room_last(conn)
             if folder:
-                path = os.path.join(folder, f"prefill_patch.{os.getpid()}.json")
-                threading.Thread(target=_write_counts, args=(path,), daemon=True).start()
+                write = _counts_writer(os.path.join(folder, f"prefill_patch.{os.getpid()}.json"))
+                write(dict(COUNTS))         # the patch loaded in this process: zeros
+                ON_COUNT.append(write)
         if fail:
             _fail_sends(conn, int(fail))
     if strict or fail:
