@@ -80,6 +80,22 @@ def setup(cfg: E2EConfig) -> dict[str, Any]:
             "metadata_delay_ms": {str(r): s * 1000 for r, s in cfg.metadata_delay}}
 
 
+def machine_load() -> dict[str, float | None]:
+    """How busy the machine was, for reading a run's timings: the 1-minute load average
+    and the share of the last 10 s in which some runnable task waited for a CPU
+    (/proc/pressure/cpu, where the kernel has it); None where unreadable."""
+    out: dict[str, float | None] = {"loadavg_1m": None, "cpu_pressure_some_avg10": None}
+    try:
+        with open("/proc/loadavg", encoding="ascii") as fp:
+            out["loadavg_1m"] = float(fp.read().split()[0])
+        with open("/proc/pressure/cpu", encoding="ascii") as fp:
+            some = fp.readline().split()
+        out["cpu_pressure_some_avg10"] = float(some[1].split("=")[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     """Run once; returns the figures (plus ``trace``, ``trace_valid``, ``trace_message``,
     ``work_dir``, ``error``). A run that fails still returns what it can: the error,
@@ -98,6 +114,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
     cluster = Cluster(cfg.ranks, work, cfg.workload, rank_args, host=cfg.host,
                       timeout_s=cfg.timeout_s, netns=cfg.netns)
     error, results, baseline, prefill_stats = None, None, None, {}
+    load_before = machine_load()
     _INTERRUPTS.arm(True)
     try:
         extra = [f"--metadata-delay={r}:{s * 1000:g}" for r, s in cfg.metadata_delay]
@@ -145,6 +162,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         out.update(figures(results, logs, cfg.requests))
         out.update(timeline(results, logs, prefill_stats.get("landings", [])))
     out["setup"] = setup(cfg)
+    out["machine_load"] = {"before": load_before, "after": machine_load()}
     out["dropped_frames"] += prefill_stats.get("dropped", 0)
     out["rejected_frames"] += prefill_stats.get("rejected", 0)
     out["broken_connections"] += prefill_stats.get("broken", 0)   # garbage, oversized frames

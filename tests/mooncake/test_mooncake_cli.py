@@ -86,6 +86,9 @@ def test_e2e_with_a_delayed_row_holds_the_gate_and_validates(tmp_path, capsys):
         assert r["success"][1] < r["room"][1]            # rank 1: Success first
     assert figs["gate_delay_p50_ms"] >= 35 and figs["ttft_p50_ms"] >= figs["enqueue_commit_p50_ms"]
     assert figs["setup"]["metadata_delay_ms"] == {"1": 40.0}
+    for when in ("before", "after"):        # how busy the machine was, to read the timings by
+        load = figs["machine_load"][when]
+        assert load["loadavg_1m"] >= 0 and 0 <= load["cpu_pressure_some_avg10"] <= 100
     with open(trace, encoding="utf-8") as fp:
         result = validate(fp)
     assert result.ok, result.message
