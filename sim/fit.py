@@ -170,16 +170,35 @@ def _writer(run: _Run) -> dict[str, Any]:
             "push_ms": round(max(push, 0.0), 6), "service": table}
 
 
+def setup_key(setup: dict[str, Any]) -> tuple:
+    """What makes two e2e runs the same setup (their seeds aside)."""
+    delays = setup.get("metadata_delay_ms") or {}
+    return (setup.get("ranks"), setup.get("inflight"), setup.get("page_bytes"),
+            setup.get("min_pages"), setup.get("max_pages"),
+            tuple(sorted((str(r), float(ms)) for r, ms in delays.items())))
+
+
+def _pooled(runs: list[_Run], name: str) -> np.ndarray:
+    """One field of several runs of one setup, end to end (traces stay in step order
+    within each run: a stretch of slow steps stays a stretch)."""
+    return np.concatenate([getattr(run, name) for run in runs])
+
+
 def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The calibration (a JSON-able dict) from e2e runs; the first is the main one (its
-    steps, transfers and lags); the others only add rank counts to the all-reduce fit."""
+    """The calibration (a JSON-able dict) from e2e runs. The first is the main one; every
+    run of its setup (another seed: a repeat) is pooled with it for the steps, transfers
+    and lags, so one run's luck weighs less; runs at other rank counts give the steps'
+    growth with the ranks, runs with a metadata delay the delayed rows' waits."""
     runs = [_run(doc, path) for path, doc in docs]
+    main_key = setup_key(docs[0][1]["setup"])
+    pool = [run for run, (_, doc) in zip(runs, docs) if setup_key(doc["setup"]) == main_key]
     main, setup = runs[0], docs[0][1]["setup"]
     # the pops' delay after the step began: alpha + beta x queued, and its residuals in
     # step order; the rest of each step period after it, in step order
-    alpha, beta = _linear(main.step_queue, main.costs)
-    resid = main.costs - (alpha + beta * main.step_queue)
-    rest = np.maximum(main.periods - main.costs, 0.0)
+    queue, costs, periods = (_pooled(pool, k) for k in ("step_queue", "costs", "periods"))
+    alpha, beta = _linear(queue, costs)
+    resid = costs - (alpha + beta * queue)
+    rest = np.maximum(periods - costs, 0.0)
     # more ranks, slower steps (gloo, and here ranks sharing cores): the median period's
     # relative growth per doubling of the ranks, from runs at other rank counts
     medians: dict[int, list[float]] = {}
@@ -193,13 +212,18 @@ def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     # from every run with a metadata delay (none: sim/engine.py's backlog estimate)
     waits = [float(run.room[i, k] - run.kv[i, k] - run.delay[k]) for run in runs
              for k in range(run.ranks) if run.delay[k] > 0 for i in range(len(run.kv))]
-    xfer = main.success - main.enq
-    writer = _writer(main)
+    xfer = _pooled(pool, "success") - _pooled(pool, "enq")
+    pages = _pooled(pool, "pages")
+    writers = [_writer(run) for run in pool]
+    service = np.concatenate([w["service"] for w in writers])
+    writer = {k: round(float(np.median([w[k] for w in writers])), 6)
+              for k in ("xfer_delay_ms", "room_ms", "push_ms")}
     plain = [k for k in range(main.ranks) if main.delay[k] == 0] or list(range(main.ranks))
-    lag = np.maximum(main.room - main.success, 0.0)
+    lag = np.maximum(_pooled(pool, "room") - _pooled(pool, "success"), 0.0)
     setup = {**setup, "pages": setup.get("pages", PAGES_DEFAULT)}
     return {
         "version": VERSION, "sources": [p for p, _ in docs],
+        "pooled": [p for (p, doc) in docs if setup_key(doc["setup"]) == main_key],
         "setup": {k: setup.get(k) for k in ("ranks", "requests", "variant", "arrivals", "step_ms",
                                             "slots", "inflight", "pages", "min_pages", "max_pages",
                                             "metadata_delay_ms")},
@@ -207,10 +231,9 @@ def fit(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
                       "residual_ms": [round(float(v), 4) for v in resid]},
         "step_rest_ms": [round(float(v), 4) for v in rest],
         "step_growth_per_rank_doubling": round(growth, 6), "ranks_seen": sorted(medians),
-        "transfer": {**_factors(xfer, main.pages),
+        "transfer": {**_factors(xfer, pages),
                      "replay_ms": [[round(float(v), 4) for v in row] for row in xfer]},
-        "writer": {**{k: v for k, v in writer.items() if k != "service"},
-                   **_factors(writer["service"], main.pages)},
+        "writer": {**writer, **_factors(service, pages)},
         # the lag without an injected delay (a delayed rank's own lag is its delay)
         "lag_ms": [round(float(v), 4) for v in lag[:, plain].reshape(-1)],
         "delayed_wait_ms": [round(max(v, 0.0), 4) for v in waits],

@@ -139,3 +139,43 @@ def test_a_delay_run_gives_delayed_rows_their_measured_wait(cal):
     estimated = np.percentile(simulated(cal, setup, "writer", 1)["gate_delay"], 50)
     # the measured waits (a median of tens of ms here) replace the backlog estimate
     assert measured > 20 + 0.5 * np.median(waits) and measured != estimated
+
+
+QUIET = DATA / "quiet"
+
+
+def test_repeats_of_the_fitted_setup_are_pooled_and_other_setups_are_not():
+    runs = [str(QUIET / n) for n in ("r2-s1.json.gz", "r2-s2.json.gz", "r4-s1.json.gz")]
+    docs = [(p, load_e2e(p)) for p in runs]
+    both = fit(docs)
+    alone = fit(docs[:1])
+    assert both["pooled"] == runs[:2] and alone["pooled"] == runs[:1]
+    steps = [len(d["timeline"]["step_ms"]) for _, d in docs]
+    assert len(alone["step_rest_ms"]) == steps[0]
+    assert len(both["step_rest_ms"]) == steps[0] + steps[1]       # the T=4 run's steps stay out
+    assert len(both["transfer"]["replay_ms"]) == 2 * len(alone["transfer"]["replay_ms"])
+    assert both["step_growth_per_rank_doubling"] > 0              # ... but give the growth
+
+
+def test_validate_pools_each_setups_repeats_and_reports_their_spread(tmp_path, capsys):
+    from impl.mooncake.timeline import latencies
+    held = [str(QUIET / n) for n in ("r2-s2.json.gz", "r2-s3.json.gz", "r2-inflight4-s1.json.gz")]
+    out = tmp_path / "v.json"
+    rc = main(["calibrate", str(QUIET / "r2-s1.json.gz"), "--validate", *held, "--seeds", "1",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    pair = [r for r in rows if r["run"] == "r2-s2, r2-s3" and r["role"] == "held out"]
+    single = [r for r in rows if r["run"] == "r2-inflight4-s1"]
+    assert len(pair) == len(single) == 6 and {r["runs"] for r in pair} == {2}
+    pooled = latencies(load_e2e(held[0])["timeline"]["requests"])["gate_delay"] + \
+        latencies(load_e2e(held[1])["timeline"]["requests"])["gate_delay"]
+    p50 = next(r for r in pair if (r["metric"], r["quantile"]) == ("gate_delay", "p50"))
+    assert p50["e2e_ms"] == pytest.approx(np.percentile(pooled, 50), abs=1e-3)
+    singles = [load_e2e(p)["gate_delay_p50_ms"] for p in held[:2]]
+    assert p50["spread_pct"] == pytest.approx(
+        max(abs(v - p50["e2e_ms"]) / p50["e2e_ms"] * 100 for v in singles), abs=0.1)
+    assert p50["spread_pct"] > 0 and all(r["spread_pct"] == 0 for r in single)
+    # the calibration's own setup run again is a repeat row: real runs against real runs
+    repeat = [r for r in rows if r["role"] == "repeat"]
+    assert len(repeat) == 6 and all(r["run"] == "r2-s2, r2-s3" for r in repeat)
