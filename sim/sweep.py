@@ -21,11 +21,11 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from typing import Any, Iterable, Iterator
 
+from model.cli import resolve_problem
 from model.spec.variants import VARIANTS
 from sim.draws import draw
 from sim.engine import Simulation
@@ -283,8 +283,9 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def _check_address(args: argparse.Namespace) -> None:
-    """--address names a scheduler Dask can dial and whose host resolves (a bad one was
-    an internal error, or a 30 s wait, after the CSV had been rewritten)."""
+    """--address names a scheduler Dask can dial and whose host resolves, within
+    model.cli's bounded lookup (a bad one was an internal error, or a 30 s wait, after
+    the CSV had been rewritten)."""
     if args.engine != "dask":
         raise SimInputError("--address: applies to --engine dask")
     try:
@@ -292,14 +293,14 @@ def _check_address(args: argparse.Namespace) -> None:
         host, port = get_address_host_port(args.address)
         if not 0 < port < 65536:
             raise ValueError(f"port {port} out of range 1..65535")
-        socket.getaddrinfo(host, port)
     except ImportError as exc:       # pragma: no cover - a dependency of pdgate
         raise SimInputError(f"--engine dask: cannot import distributed ({exc})") from None
     except (ValueError, TypeError) as exc:
         raise SimInputError(f"--address: {args.address[:80]!r} is not a scheduler address "
                             f"(tcp://HOST:PORT): {str(exc)[:120]}") from None
-    except (OSError, UnicodeError):
-        raise SimInputError(f"--address: host {host[:80]!r} does not resolve") from None
+    problem = resolve_problem(host, port)
+    if problem:
+        raise SimInputError(f"--address: host {problem}")
 
 
 def _cells(args: argparse.Namespace, variants: list[str], mode: str) -> list[tuple]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -136,6 +137,45 @@ def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
     assert_clean(rc, out, err, codes=(2,))
     assert seconds < SECONDS, seconds
     assert not (tmp_path / "good.impl.jsonl").exists()       # nothing ran
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("not a host", r"'not a host' is not a scheduler address \(tcp://HOST:PORT\)"),
+    ("tcp://127.0.0.1:99999", r"port 99999 out of range"),
+    # NXDOMAIN at once, or no DNS answer within the bounded lookup: refused either way
+    ("tcp://no-such-host.invalid:8786",
+     r"host 'no-such-host\.invalid' (does not resolve|did not resolve within 5 s)"),
+])
+def test_sweep_on_dask_refuses_a_bad_scheduler_address_before_any_work(address, problem, tmp_path, capsys):
+    """--engine dask with an address that is malformed or does not resolve: one line
+    naming it, exit 2, in bounded time, and no CSV started."""
+    out = tmp_path / "s.csv"
+    rc, stdout, err, seconds = run_cli(["sweep", "--engine", "dask", "--address", address,
+                                        "--out", str(out)], capsys)
+    assert_clean(rc, stdout, err, codes=(2,))
+    assert re.search(r"^pdgate sweep: --address: .*" + problem, err), err
+    assert seconds < SECONDS and not out.exists(), seconds
+
+
+@pytest.mark.parametrize("argv", [["sweep", "--engine", "dask", "--address", "tcp://stalled.example:8786"],
+                                  ["e2e", "--host", "stalled.example"]], ids=lambda a: a[0])
+def test_a_name_lookup_that_never_answers_is_cut_at_its_timeout(argv, tmp_path, capsys, monkeypatch):
+    """A resolver that never answers (an unreachable DNS server): the lookup is given
+    up after model.cli.RESOLVE_TIMEOUT_S, in one line, instead of holding the command."""
+    import socket
+    import threading
+    import model.cli
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(60))
+    monkeypatch.setattr(model.cli, "RESOLVE_TIMEOUT_S", 0.5)
+    try:
+        rc, out, err, seconds = run_cli([*argv, "--out" if argv[0] == "sweep" else "--json",
+                                         str(tmp_path / "x")], capsys)
+    finally:
+        release.set()
+    assert_clean(rc, out, err, codes=(2,))
+    assert "'stalled.example' did not resolve within 0.5 s" in err, err
+    assert seconds < 3, seconds
 
 
 @pytest.mark.parametrize("argv", SIM_BOUND_CASES, ids=lambda a: " ".join(a))
