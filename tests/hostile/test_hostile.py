@@ -221,3 +221,37 @@ def test_trace_classes_stay_within_a_memory_limit(tmp_path):
     codes = json.loads(line[len("RESULT "):])
     assert set(codes.values()) <= {0, 1, 2}, codes
     assert "Traceback" not in proc.stderr and "out of memory" not in proc.stderr, proc.stderr[-500:]
+
+
+def _read_only(folder: Path) -> list[str]:
+    """A command prefix under which ``folder`` exists and nothing can be created in it,
+    whoever runs the tests: mode 0555 stops any user but root; root, whom mode bits do
+    not stop, runs the command in a private mount namespace where ``folder`` is bound
+    read-only onto itself (util-linux unshare; the mount ends with the command)."""
+    folder.chmod(0o555)
+    try:
+        with open(folder / "probe", "x"):
+            pass
+    except OSError:
+        return []                                   # the mode bits are enough
+    (folder / "probe").unlink()
+    return ["unshare", "--mount", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(folder)]
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "/proc/sys"])
+def test_e2e_refuses_an_existing_work_dir_it_cannot_write_into(kind, tmp_path):
+    """``e2e --work-dir`` an existing folder it cannot create files in: one line naming
+    it, exit 2, before any child starts (it was an internal error once the run began)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    prefix = _read_only(folder) if kind == "read-only folder" else []
+    work = str(folder) if kind == "read-only folder" else "/proc/sys"
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", "model.cli", "e2e", "--work-dir", work],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-500:])
+    assert proc.stderr == f"pdgate e2e: --work-dir: cannot write into {work}\n" and not proc.stdout
+    assert list(folder.iterdir()) == []
