@@ -58,7 +58,7 @@ class Child:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ClusterError(f"{self.name}: no {what} within {timeout:g} s ({self.tail()})")
+                raise ClusterError(f"{self.name}: no {what} within {timeout:.3g} s ({self.tail()})")
             if select.select([fd], [], [], min(left, 0.2))[0]:
                 chunk = os.read(fd, 65536)
                 if not chunk:
