@@ -315,6 +315,22 @@ def _key(values: Iterable) -> tuple[str, ...]:
     return tuple("" if v is None else str(v) for v in values)
 
 
+MAX_RESUME_LINE = 1 << 20       # characters; a sweep row is well under 1 KB
+
+
+def _bounded_lines(fp: Any, path: str) -> Iterator[str]:
+    """``fp``'s lines, refusing one longer than MAX_RESUME_LINE: a file that is no
+    sweep CSV (gigabytes with no newline) would otherwise be read whole into memory."""
+    for number in itertools.count(1):
+        line = fp.readline(MAX_RESUME_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_RESUME_LINE:
+            raise SimInputError(f"--out: {path} line {number} is longer than {MAX_RESUME_LINE} "
+                                f"characters: not a sweep CSV to resume; remove it or choose another path")
+        yield line
+
+
 def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], params: str
                ) -> dict[tuple, list[dict]]:
     """Rows of --out computed with the same parameters, by cell."""
@@ -322,7 +338,7 @@ def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], p
         return {}
     try:
         with open(path, newline="", encoding="utf-8") as fp:
-            reader = csv.DictReader(fp)
+            reader = csv.DictReader(_bounded_lines(fp, path))
             if tuple(reader.fieldnames or ()) != columns:
                 raise SimInputError(f"--out: {path} exists with other columns (another mode or "
                                     f"version); remove it or choose another path")

@@ -255,3 +255,26 @@ def test_e2e_refuses_an_existing_work_dir_it_cannot_write_into(kind, tmp_path):
     assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-500:])
     assert proc.stderr == f"pdgate e2e: --work-dir: cannot write into {work}\n" and not proc.stdout
     assert list(folder.iterdir()) == []
+
+
+_SWEEP_LIMITED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+from model.cli import main
+sys.exit(main(["sweep", "--ranks", "2", "--rate", "2", "--requests", "20", "--out", sys.argv[1]]))
+"""
+
+
+def test_sweep_resuming_from_a_huge_file_without_newlines_is_refused_in_bounded_memory(tmp_path):
+    """--out an existing 3 GiB regular file with no newline (sparse: no disk used), as
+    /dev/full was: the resume read stops at MAX_RESUME_LINE, under a 1 GiB limit on the
+    address space, in one line; the file is left as it was."""
+    big = tmp_path / "big.csv"
+    with open(big, "wb") as fp:
+        fp.truncate(3 << 30)
+    proc = subprocess.run([sys.executable, "-c", _SWEEP_LIMITED.format(limit=MEMORY_BYTES), str(big)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.count("\n") == 1 and f"--out: {big} line 1 is longer than" in proc.stderr
+    assert big.stat().st_size == 3 << 30
