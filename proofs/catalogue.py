@@ -14,6 +14,7 @@ _RULES = "tests/sglang/test_sglang_patch_rules.py"
 _PATCH = "tests/sglang/test_sglang_patch.py"
 _PACKED = "tests/spec/test_spec_packed.py"
 _STATS = "tests/sim/test_sim_stats_faults.py"
+_UNKNOWN = "tests/proofs/test_proofs_unknown.py"
 
 MUTANTS: list[M] = [
     # -- impl/mooncake: the HMAC tag, key handling, landing -----------------------------
@@ -64,7 +65,7 @@ MUTANTS: list[M] = [
       "a row is copied once any non-zero room is there (a stale room of the slot's last request)"),
     M("frames-xfer-room-zero", "impl/mooncake", "impl/mooncake/frames.py",
       "    if room == 0:\n        raise FrameError(\"XFER: room 0", "    if room < 0:\n        raise FrameError(\"XFER: room 0",
-      ("tests/mooncake/test_mooncake_frames.py",),
+      ("tests/mooncake/test_mooncake_frames.py::test_bad_xfer",),
       "an XFER for room 0 (the empty-slot sentinel) is accepted"),
     # -- impl/decode: digest, header, gate fast paths, queue bookkeeping --------------------
     M("digest-order-blind", "impl/decode", "impl/decode/collective.py",
@@ -241,12 +242,12 @@ MUTANTS: list[M] = [
     M("runner-unknown-is-cti", "model/encoding", "proofs/obligations.py",
       'found = [r for _, r in log.queries if r.status == "sat"]',
       'found = [r for _, r in log.queries if r.status != "unsat"]',
-      ("tests/proofs/test_proofs_unknown.py",),
+      (f"{_UNKNOWN}::test_a_negative_induction_row_takes_unknown_as_unknown",),
       "a solver unknown counts as a counterexample to induction"),
     M("runner-unknown-is-cex", "model/encoding", "proofs/obligations.py",
       '    if res.status != "sat":\n        return Outcome(res.status, f"solver gave up',
       '    if res.status not in ("sat", "unknown"):\n        return Outcome(res.status, f"solver gave up',
-      ("tests/proofs/test_proofs_unknown.py",),
+      (f"{_UNKNOWN}::test_a_counterexample_search_that_gives_up_finds_nothing",),
       "a bounded search that gave up counts as a counterexample found"),
 ]
 
