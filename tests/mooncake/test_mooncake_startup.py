@@ -18,8 +18,8 @@ from model.cli import main
 
 @pytest.mark.parametrize("stopped, timeout_s, said", [
     ("prefill0", 4.0, "prefill0: no endpoint line within"),
-    ("rank1", 20.0, "no ready line within"),          # rank 0 may wait for rank 1 too
-])
+    ("rank0", 20.0, "rank0: no ready line within"),    # the ready lines are read rank 0 first
+], ids=["prefill", "rank"])
 def test_a_child_that_never_answers_ends_the_run_at_its_timeout(stopped, timeout_s, said, tmp_path,
                                                                  capsys, monkeypatch):
     started = Cluster._child
