@@ -308,7 +308,7 @@ MUTANTS: list[M] = [
 
 # What the CI suite runs (tests/proofs/test_proofs_mutate.py): every package, fast tests
 # only; ``pdgate bench mutate`` runs them all.
-CI_SUBSET = ("auth-prefix-compare", "auth-no-length-framing", "auth-channel-ignored",
+CI_SUBSET = ("auth-prefix-compare", "auth-no-length-framing", "auth-channel-ignored", "decode-window-ignores-rtt",
              "digest-order-blind", "header-cache-ignores-digest", "age-fold-on-min",
              "quarantine-drops-unfenced", "patch-held-slot-keeps-room", "patch-local-frees-unfenced",
              "patch-ages-every-step", "sim-ci-population-sd", "sim-rank-override-off-by-one",
