@@ -195,11 +195,18 @@ def test_every_subcommand_has_flag_cases():
     assert sum(a[0] == "simulate" for a in typed) > 40      # every numeric simulate flag
 
 
+def python_limited(body: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """``body`` run by a fresh interpreter whose address space is capped at MEMORY_BYTES
+    (a MemoryError or a kill says the input was read without bound)."""
+    code = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))\n"
+    return subprocess.run([sys.executable, "-c", code + body, *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 _VALIDATE_ALL = """
-import json, resource, sys
-resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+import json, sys
 from model.cli import main
-out = {{}}
+out = {}
 for path in sys.argv[1:]:
     try:
         out[path] = main(["validate", path])
@@ -213,9 +220,7 @@ def test_trace_classes_stay_within_a_memory_limit(tmp_path):
     """Every trace case in one process whose address space is capped at 1 GiB: a
     MemoryError would end it without the RESULT line."""
     paths = [case_path(case, tmp_path, f"{i}.jsonl") for i, case in enumerate(TRACES)]
-    proc = subprocess.run([sys.executable, "-c", _VALIDATE_ALL.format(limit=MEMORY_BYTES), *paths],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python_limited(_VALIDATE_ALL, *paths, timeout=240)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-1000:]
     codes = json.loads(line[len("RESULT "):])
@@ -258,8 +263,7 @@ def test_e2e_refuses_an_existing_work_dir_it_cannot_write_into(kind, tmp_path):
 
 
 _SWEEP_LIMITED = """
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+import sys
 from model.cli import main
 sys.exit(main(["sweep", "--ranks", "2", "--rate", "2", "--requests", "20", "--out", sys.argv[1]]))
 """
@@ -272,9 +276,7 @@ def test_sweep_resuming_from_a_huge_file_without_newlines_is_refused_in_bounded_
     big = tmp_path / "big.csv"
     with open(big, "wb") as fp:
         fp.truncate(3 << 30)
-    proc = subprocess.run([sys.executable, "-c", _SWEEP_LIMITED.format(limit=MEMORY_BYTES), str(big)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python_limited(_SWEEP_LIMITED, str(big), timeout=120)
     assert proc.returncode == 2, proc.stderr[-500:]
     assert proc.stderr.count("\n") == 1 and f"--out: {big} line 1 is longer than" in proc.stderr
     assert big.stat().st_size == 3 << 30
