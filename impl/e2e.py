@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from typing import Any, Callable
 
 from impl.decode.timeouts import GATE_TIMEOUT_S, steps_for
 from impl.mooncake.prefill_main import add_workload_arguments, rank_ms
-from model.cli import number, writable_problem
+from model.cli import number, resolve_problem, writable_problem
 
 KEYS = ("committed", "aborted", "lost", "byte_exact", "gate_holds", "commit_latency_p50_ms",
         "commit_latency_p99_ms", "mb_per_s", "ttft_p50_ms", "ttft_p99_ms", "gate_delay_p50_ms",
@@ -288,10 +287,9 @@ def _usage_error(args: argparse.Namespace) -> str | None:
     if args.max_pages > args.pages or args.min_pages < 1 or args.min_pages > args.max_pages:
         return (f"need 1 <= --min-pages <= --max-pages <= --pages, got {args.min_pages}, "
                 f"{args.max_pages} and {args.pages}")
-    try:
-        socket.getaddrinfo(args.host, None)
-    except (OSError, UnicodeError):
-        return f"--host {args.host!r} does not resolve to an address"
+    where = resolve_problem(args.host)
+    if where:
+        return f"--host: {where}"
     if args.device not in ("cpu", "cuda"):
         return f"--device must be cpu or cuda, got {args.device!r}"
     if args.device == "cuda":

@@ -11,6 +11,7 @@ import importlib
 import math
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -82,6 +83,33 @@ def writable_problem(path: str | os.PathLike, *inputs: str | os.PathLike) -> str
         return f"cannot write {path}: {exc.strerror or exc}"
     except ValueError as exc:           # a NUL byte in the path
         return f"cannot write {str(path)[:80]!r}: {exc}"
+    return None
+
+
+RESOLVE_TIMEOUT_S = 5.0      # a name lookup, before any work (see resolve_problem)
+
+
+def resolve_problem(host: str, port: int | None = None, timeout_s: float | None = None) -> str | None:
+    """Why ``host`` cannot be used (it does not resolve, or not within ``timeout_s``,
+    default RESOLVE_TIMEOUT_S), or None. The lookup runs in a daemon thread that is
+    abandoned at the timeout: an unreachable DNS server would hold the command for the
+    resolver's own retries."""
+    timeout_s = RESOLVE_TIMEOUT_S if timeout_s is None else timeout_s
+    outcome: list[BaseException | None] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, port)
+            outcome.append(None)
+        except (OSError, UnicodeError, ValueError) as exc:
+            outcome.append(exc)
+    worker = threading.Thread(target=lookup, name="pdgate-resolve", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        return f"{host[:80]!r} did not resolve within {timeout_s:g} s"
+    if outcome[0] is not None:
+        return f"{host[:80]!r} does not resolve ({str(outcome[0])[:80]})"
     return None
 
 

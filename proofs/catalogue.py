@@ -8,12 +8,18 @@ from __future__ import annotations
 from proofs.mutate import SourceMutant as M
 
 _TAGS = "tests/mooncake/test_mooncake_tags.py"
+_AUTH = "tests/mooncake/test_mooncake_auth.py"
+_TRANSPORT = "tests/mooncake/test_mooncake_transport.py"
+_LIVENESS = "tests/mooncake/test_mooncake_liveness.py"
+_DIGEST = "tests/mooncake/test_mooncake_digest.py"
+_STARTUP = "tests/mooncake/test_mooncake_startup.py"
 _FAST = "tests/impl/test_impl_fastpaths.py"
 _GATE = "tests/impl/test_impl_gate.py"
 _RULES = "tests/sglang/test_sglang_patch_rules.py"
 _PATCH = "tests/sglang/test_sglang_patch.py"
 _PACKED = "tests/spec/test_spec_packed.py"
 _STATS = "tests/sim/test_sim_stats_faults.py"
+_UNKNOWN = "tests/proofs/test_proofs_unknown.py"
 
 MUTANTS: list[M] = [
     # -- impl/mooncake: the HMAC tag, key handling, landing -----------------------------
@@ -64,8 +70,58 @@ MUTANTS: list[M] = [
       "a row is copied once any non-zero room is there (a stale room of the slot's last request)"),
     M("frames-xfer-room-zero", "impl/mooncake", "impl/mooncake/frames.py",
       "    if room == 0:\n        raise FrameError(\"XFER: room 0", "    if room < 0:\n        raise FrameError(\"XFER: room 0",
-      ("tests/mooncake/test_mooncake_frames.py",),
+      ("tests/mooncake/test_mooncake_frames.py::test_bad_xfer",),
       "an XFER for room 0 (the empty-slot sentinel) is accepted"),
+    # -- impl/mooncake: issue 22's control-plane logic (re-HELLO, XFER replays, liveness
+    # window, broken connections, the transfer digest, start-up waits) ------------------
+    M("prefill-rehello-refused", "impl/mooncake", "impl/mooncake/prefill.py",
+      "            if known is not None and known.hello == hello:\n",
+      "            if False:\n",
+      (f"{_AUTH}::test_the_key_holder_may_say_hello_again_but_not_change_its_layout",),
+      "a second HELLO of the same layout (its first reply was late) is refused: every request fails"),
+    M("prefill-replay-compared-by-identity", "impl/mooncake", "impl/mooncake/prefill.py",
+      "known is not None and known.xfer == x:", "known is not None and known.xfer is x:",
+      (f"{_AUTH}::test_a_replayed_xfer_is_ignored_before_and_after_its_request_landed",),
+      "a replayed XFER (a new object) is not seen as a replay: the prefill fails the request"),
+    M("decode-window-ignores-rtt", "impl/mooncake", "impl/mooncake/decode.py",
+      "return max(self.heartbeat_s * self.heartbeat_misses, RTT_FACTOR * link.slowest_rtt)",
+      "return self.heartbeat_s * self.heartbeat_misses",
+      (f"{_TRANSPORT}::test_slow_pongs_widen_the_liveness_window_which_narrows_again_slowly",),
+      "the liveness window ignores slow PONGs: a loaded prefill is declared dead"),
+    M("decode-rtt-forgets-slow-pongs", "impl/mooncake", "impl/mooncake/decode.py",
+      "link.slowest_rtt = max(now - sent, link.slowest_rtt * RTT_DECAY)",
+      "link.slowest_rtt = now - sent",
+      (f"{_TRANSPORT}::test_slow_pongs_widen_the_liveness_window_which_narrows_again_slowly",),
+      "one fast PONG resets the window: the slow PONG before it is forgotten at once"),
+    M("decode-no-stall-credit", "impl/mooncake", "impl/mooncake/decode.py",
+      "                    self._credit_stall(late)\n", "                    pass\n",
+      (f"{_LIVENESS}::test_a_rank_that_did_not_run_does_not_count_that_time_as_prefill_silence",),
+      "time the rank's own I/O thread did not run counts as the prefill's silence"),
+    M("rank-heartbeat-misses-5", "impl/mooncake", "impl/mooncake/rank.py",
+      'type=number(2, 10_000, integer=True), default=50,', 'type=number(2, 10_000, integer=True), default=5,',
+      (f"{_LIVENESS}::test_a_prefill_frozen_for_fifteen_heartbeats_is_waited_for",),
+      "the liveness window back at 5 heartbeats: a prefill stalled 1.5 s is declared dead"),
+    M("monitor-ignores-disconnects", "impl/mooncake", "impl/mooncake/monitor.py",
+      "| zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)",
+      "| zmq.EVENT_HANDSHAKE_FAILED_AUTH)",
+      (f"{_AUTH}::test_garbage_and_oversized_frames_are_counted_as_broken_connections",),
+      "a connection ZMQ cut for an oversized part is not counted as broken"),
+    M("digest-leaves-out-rows", "impl/mooncake", "impl/mooncake/digest.py",
+      "    for name, row in rows:\n", "    for name, row in ():\n",
+      (f"{_DIGEST}::test_the_exact_bytes_pass_and_one_flipped_byte_anywhere_fails",),
+      "the transfer digest covers the KV pages, not the metadata rows (a forged row passes)"),
+    M("digest-short-read-accepted", "impl/mooncake", "impl/mooncake/digest.py",
+      "    if total != n_pages * page_bytes:", "    if total > n_pages * page_bytes:",
+      (f"{_DIGEST}::test_the_digest_covers_every_byte_once_in_any_chunking",),
+      "a digest over fewer KV bytes than the request's pages is computed, not refused"),
+    M("cluster-fixed-endpoint-wait", "impl/mooncake", "impl/mooncake/cluster.py",
+      'child.read(self.left(), "endpoint line")', 'child.read(60.0, "endpoint line")',
+      (f"{_STARTUP}::test_a_child_that_never_answers_ends_the_run_at_its_timeout[prefill]",),
+      "the prefill's endpoint line is waited for 60 s whatever --timeout-s says"),
+    M("cluster-fixed-ready-wait", "impl/mooncake", "impl/mooncake/cluster.py",
+      'c.read(self.left(), "ready line")', 'c.read(90.0, "ready line")',
+      (f"{_STARTUP}::test_a_child_that_never_answers_ends_the_run_at_its_timeout[rank]",),
+      "each rank's ready line is waited for 90 s whatever --timeout-s says"),
     # -- impl/decode: digest, header, gate fast paths, queue bookkeeping --------------------
     M("digest-order-blind", "impl/decode", "impl/decode/collective.py",
       "x = rooms * _K1 + w * _K2", "x = rooms * _K1 + _K2",
@@ -241,18 +297,18 @@ MUTANTS: list[M] = [
     M("runner-unknown-is-cti", "model/encoding", "proofs/obligations.py",
       'found = [r for _, r in log.queries if r.status == "sat"]',
       'found = [r for _, r in log.queries if r.status != "unsat"]',
-      ("tests/proofs/test_proofs_unknown.py",),
+      (f"{_UNKNOWN}::test_a_negative_induction_row_takes_unknown_as_unknown",),
       "a solver unknown counts as a counterexample to induction"),
     M("runner-unknown-is-cex", "model/encoding", "proofs/obligations.py",
       '    if res.status != "sat":\n        return Outcome(res.status, f"solver gave up',
       '    if res.status not in ("sat", "unknown"):\n        return Outcome(res.status, f"solver gave up',
-      ("tests/proofs/test_proofs_unknown.py",),
+      (f"{_UNKNOWN}::test_a_counterexample_search_that_gives_up_finds_nothing",),
       "a bounded search that gave up counts as a counterexample found"),
 ]
 
 # What the CI suite runs (tests/proofs/test_proofs_mutate.py): every package, fast tests
 # only; ``pdgate bench mutate`` runs them all.
-CI_SUBSET = ("auth-prefix-compare", "auth-no-length-framing", "auth-channel-ignored",
+CI_SUBSET = ("auth-prefix-compare", "auth-no-length-framing", "auth-channel-ignored", "decode-window-ignores-rtt",
              "digest-order-blind", "header-cache-ignores-digest", "age-fold-on-min",
              "quarantine-drops-unfenced", "patch-held-slot-keeps-room", "patch-local-frees-unfenced",
              "patch-ages-every-step", "sim-ci-population-sd", "sim-rank-override-off-by-one",

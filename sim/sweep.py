@@ -21,11 +21,11 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from typing import Any, Iterable, Iterator
 
+from model.cli import resolve_problem
 from model.spec.variants import VARIANTS
 from sim.draws import draw
 from sim.engine import Simulation
@@ -283,8 +283,9 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def _check_address(args: argparse.Namespace) -> None:
-    """--address names a scheduler Dask can dial and whose host resolves (a bad one was
-    an internal error, or a 30 s wait, after the CSV had been rewritten)."""
+    """--address names a scheduler Dask can dial and whose host resolves, within
+    model.cli's bounded lookup (a bad one was an internal error, or a 30 s wait, after
+    the CSV had been rewritten)."""
     if args.engine != "dask":
         raise SimInputError("--address: applies to --engine dask")
     try:
@@ -292,14 +293,14 @@ def _check_address(args: argparse.Namespace) -> None:
         host, port = get_address_host_port(args.address)
         if not 0 < port < 65536:
             raise ValueError(f"port {port} out of range 1..65535")
-        socket.getaddrinfo(host, port)
     except ImportError as exc:       # pragma: no cover - a dependency of pdgate
         raise SimInputError(f"--engine dask: cannot import distributed ({exc})") from None
     except (ValueError, TypeError) as exc:
         raise SimInputError(f"--address: {args.address[:80]!r} is not a scheduler address "
                             f"(tcp://HOST:PORT): {str(exc)[:120]}") from None
-    except (OSError, UnicodeError):
-        raise SimInputError(f"--address: host {host[:80]!r} does not resolve") from None
+    problem = resolve_problem(host, port)
+    if problem:
+        raise SimInputError(f"--address: host {problem}")
 
 
 def _cells(args: argparse.Namespace, variants: list[str], mode: str) -> list[tuple]:
@@ -314,6 +315,22 @@ def _key(values: Iterable) -> tuple[str, ...]:
     return tuple("" if v is None else str(v) for v in values)
 
 
+MAX_RESUME_LINE = 1 << 20       # characters; a sweep row is well under 1 KB
+
+
+def _bounded_lines(fp: Any, path: str) -> Iterator[str]:
+    """``fp``'s lines, refusing one longer than MAX_RESUME_LINE: a file that is no
+    sweep CSV (gigabytes with no newline) would otherwise be read whole into memory."""
+    for number in itertools.count(1):
+        line = fp.readline(MAX_RESUME_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_RESUME_LINE:
+            raise SimInputError(f"--out: {path} line {number} is longer than {MAX_RESUME_LINE} "
+                                f"characters: not a sweep CSV to resume; remove it or choose another path")
+        yield line
+
+
 def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], params: str
                ) -> dict[tuple, list[dict]]:
     """Rows of --out computed with the same parameters, by cell."""
@@ -321,7 +338,7 @@ def _read_done(path: str, columns: tuple[str, ...], key_cols: tuple[str, ...], p
         return {}
     try:
         with open(path, newline="", encoding="utf-8") as fp:
-            reader = csv.DictReader(fp)
+            reader = csv.DictReader(_bounded_lines(fp, path))
             if tuple(reader.fieldnames or ()) != columns:
                 raise SimInputError(f"--out: {path} exists with other columns (another mode or "
                                     f"version); remove it or choose another path")

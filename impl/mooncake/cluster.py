@@ -20,6 +20,8 @@ from typing import Any
 from impl.mooncake.auth import new_secret, rank_key
 
 REPO = Path(__file__).resolve().parents[2]
+# Mooncake's start-up lines, which say nothing about why a child failed
+_STDERR_NOISE = ("Local segment descriptor", "Logging before InitGoogleLogging")
 
 
 class ClusterError(RuntimeError):
@@ -58,7 +60,7 @@ class Child:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ClusterError(f"{self.name}: no {what} within {timeout:g} s ({self.tail()})")
+                raise ClusterError(f"{self.name}: no {what} within {timeout:.3g} s ({self.tail()})")
             if select.select([fd], [], [], min(left, 0.2))[0]:
                 chunk = os.read(fd, 65536)
                 if not chunk:
@@ -75,7 +77,7 @@ class Child:
     def tail(self) -> str:
         try:
             lines = [ln for ln in self.err_path.read_text(errors="replace").splitlines()
-                     if ln.strip() and "Local segment descriptor" not in ln]
+                     if ln.strip() and not any(noise in ln for noise in _STDERR_NOISE)]
         except OSError:
             return "no stderr"
         return "stderr: " + (lines[-1][:300] if lines else "empty")

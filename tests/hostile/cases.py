@@ -211,9 +211,10 @@ FLAG_CASES: list[list[str]] = [
 ]
 
 # Unwritable outputs: a full device, a read-only file (even for root), a folder (or, for
-# a folder flag, a file), /proc, a missing parent folder, a FIFO nobody reads.
+# a folder flag, a file), /proc, a missing parent folder, a FIFO nobody reads; for a
+# folder flag also an existing folder nothing can be created in, even by root (/proc/sys).
 BAD_OUTPUT_FILES = ("/dev/full", "/proc/version", "{dir}", "/proc/x", "{dir}/missing/x", FIFO)
-BAD_OUTPUT_DIRS = ("/dev/full", "/proc/version", "{trace}", "/proc/x", FIFO)
+BAD_OUTPUT_DIRS = ("/dev/full", "/proc/version", "{trace}", "/proc/x", FIFO, "/proc/sys")
 REQUIRED_ARGS = {"replay": ["{trace}"], "conform": ["--sglang", "pinned"]}
 
 

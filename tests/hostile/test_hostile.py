@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -138,6 +139,45 @@ def test_bad_flags_are_refused_before_any_work(argv, tmp_path, capsys):
     assert not (tmp_path / "good.impl.jsonl").exists()       # nothing ran
 
 
+@pytest.mark.parametrize("address, problem", [
+    ("not a host", r"'not a host' is not a scheduler address \(tcp://HOST:PORT\)"),
+    ("tcp://127.0.0.1:99999", r"port 99999 out of range"),
+    # NXDOMAIN at once, or no DNS answer within the bounded lookup: refused either way
+    ("tcp://no-such-host.invalid:8786",
+     r"host 'no-such-host\.invalid' (does not resolve|did not resolve within 5 s)"),
+])
+def test_sweep_on_dask_refuses_a_bad_scheduler_address_before_any_work(address, problem, tmp_path, capsys):
+    """--engine dask with an address that is malformed or does not resolve: one line
+    naming it, exit 2, in bounded time, and no CSV started."""
+    out = tmp_path / "s.csv"
+    rc, stdout, err, seconds = run_cli(["sweep", "--engine", "dask", "--address", address,
+                                        "--out", str(out)], capsys)
+    assert_clean(rc, stdout, err, codes=(2,))
+    assert re.search(r"^pdgate sweep: --address: .*" + problem, err), err
+    assert seconds < SECONDS and not out.exists(), seconds
+
+
+@pytest.mark.parametrize("argv", [["sweep", "--engine", "dask", "--address", "tcp://stalled.example:8786"],
+                                  ["e2e", "--host", "stalled.example"]], ids=lambda a: a[0])
+def test_a_name_lookup_that_never_answers_is_cut_at_its_timeout(argv, tmp_path, capsys, monkeypatch):
+    """A resolver that never answers (an unreachable DNS server): the lookup is given
+    up after model.cli.RESOLVE_TIMEOUT_S, in one line, instead of holding the command."""
+    import socket
+    import threading
+    import model.cli
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(60))
+    monkeypatch.setattr(model.cli, "RESOLVE_TIMEOUT_S", 0.5)
+    try:
+        rc, out, err, seconds = run_cli([*argv, "--out" if argv[0] == "sweep" else "--json",
+                                         str(tmp_path / "x")], capsys)
+    finally:
+        release.set()
+    assert_clean(rc, out, err, codes=(2,))
+    assert "'stalled.example' did not resolve within 0.5 s" in err, err
+    assert seconds < 3, seconds
+
+
 @pytest.mark.parametrize("argv", SIM_BOUND_CASES, ids=lambda a: " ".join(a))
 def test_simulations_that_would_not_end_are_refused_or_bounded(argv, tmp_path, capsys):
     argv = [a.format(dir=tmp_path) for a in argv]
@@ -155,11 +195,18 @@ def test_every_subcommand_has_flag_cases():
     assert sum(a[0] == "simulate" for a in typed) > 40      # every numeric simulate flag
 
 
+def python_limited(body: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """``body`` run by a fresh interpreter whose address space is capped at MEMORY_BYTES
+    (a MemoryError or a kill says the input was read without bound)."""
+    code = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({MEMORY_BYTES}, {MEMORY_BYTES}))\n"
+    return subprocess.run([sys.executable, "-c", code + body, *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 _VALIDATE_ALL = """
-import json, resource, sys
-resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+import json, sys
 from model.cli import main
-out = {{}}
+out = {}
 for path in sys.argv[1:]:
     try:
         out[path] = main(["validate", path])
@@ -173,11 +220,63 @@ def test_trace_classes_stay_within_a_memory_limit(tmp_path):
     """Every trace case in one process whose address space is capped at 1 GiB: a
     MemoryError would end it without the RESULT line."""
     paths = [case_path(case, tmp_path, f"{i}.jsonl") for i, case in enumerate(TRACES)]
-    proc = subprocess.run([sys.executable, "-c", _VALIDATE_ALL.format(limit=MEMORY_BYTES), *paths],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = python_limited(_VALIDATE_ALL, *paths, timeout=240)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-1000:]
     codes = json.loads(line[len("RESULT "):])
     assert set(codes.values()) <= {0, 1, 2}, codes
     assert "Traceback" not in proc.stderr and "out of memory" not in proc.stderr, proc.stderr[-500:]
+
+
+def _read_only(folder: Path) -> list[str]:
+    """A command prefix under which ``folder`` exists and nothing can be created in it,
+    whoever runs the tests: mode 0555 stops any user but root; root, whom mode bits do
+    not stop, runs the command in a private mount namespace where ``folder`` is bound
+    read-only onto itself (util-linux unshare; the mount ends with the command)."""
+    folder.chmod(0o555)
+    try:
+        with open(folder / "probe", "x"):
+            pass
+    except OSError:
+        return []                                   # the mode bits are enough
+    (folder / "probe").unlink()
+    return ["unshare", "--mount", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(folder)]
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "/proc/sys"])
+def test_e2e_refuses_an_existing_work_dir_it_cannot_write_into(kind, tmp_path):
+    """``e2e --work-dir`` an existing folder it cannot create files in: one line naming
+    it, exit 2, before any child starts (it was an internal error once the run began)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    prefix = _read_only(folder) if kind == "read-only folder" else []
+    work = str(folder) if kind == "read-only folder" else "/proc/sys"
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-m", "model.cli", "e2e", "--work-dir", work],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-500:])
+    assert proc.stderr == f"pdgate e2e: --work-dir: cannot write into {work}\n" and not proc.stdout
+    assert list(folder.iterdir()) == []
+
+
+_SWEEP_LIMITED = """
+import sys
+from model.cli import main
+sys.exit(main(["sweep", "--ranks", "2", "--rate", "2", "--requests", "20", "--out", sys.argv[1]]))
+"""
+
+
+def test_sweep_resuming_from_a_huge_file_without_newlines_is_refused_in_bounded_memory(tmp_path):
+    """--out an existing 3 GiB regular file with no newline (sparse: no disk used), as
+    /dev/full was: the resume read stops at MAX_RESUME_LINE, under a 1 GiB limit on the
+    address space, in one line; the file is left as it was."""
+    big = tmp_path / "big.csv"
+    with open(big, "wb") as fp:
+        fp.truncate(3 << 30)
+    proc = python_limited(_SWEEP_LIMITED, str(big), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.count("\n") == 1 and f"--out: {big} line 1 is longer than" in proc.stderr
+    assert big.stat().st_size == 3 << 30

@@ -360,3 +360,31 @@ def test_no_listener_fails_at_once_and_a_silent_one_after_the_window(engines):
     finally:
         rank.transport.close()
         server.close(close_engine=False)
+
+
+def test_slow_pongs_widen_the_liveness_window_which_narrows_again_slowly(engines):
+    """The liveness window is the larger of ``heartbeat_misses`` heartbeats and
+    RTT_FACTOR times the slowest recent PONG: one PONG a second late makes the rank wait
+    about 8 s, not 0.2 s, before taking a slow (loaded) prefill for a dead one; fast
+    PONGs bring it back down by RTT_DECAY each, not at once."""
+    from impl.mooncake.decode import RTT_DECAY, RTT_FACTOR, PrefillLink, _Watch
+    rank = DecodeRank(engines[1], heartbeat_s=0.05, heartbeat_misses=4)
+    t = rank.transport
+    link = PrefillLink("tcp://127.0.0.1:1", 0, "s", None, None)    # not one the I/O thread runs
+    watch = _Watch(link, None, None)
+
+    def pong(seq: int, rtt: float) -> None:
+        link.pings[seq] = time.monotonic() - rtt
+        t._on_pong(watch, sealed(auth.REPLY, fr.encode_ping(0, seq, fr.PONG)))
+    try:
+        assert t.silence_limit(link) == pytest.approx(0.2)
+        pong(1, 1.0)
+        assert RTT_FACTOR * 1.0 <= t.silence_limit(link) < RTT_FACTOR * 1.05
+        pong(2, 0.001)                               # a fast one: the slow one still counts
+        assert RTT_FACTOR * RTT_DECAY <= t.silence_limit(link) < RTT_FACTOR * 1.05 * RTT_DECAY
+        for seq in range(3, 1000):
+            pong(seq, 0.001)
+        assert t.silence_limit(link) == pytest.approx(0.2)
+        assert not link.pings and t.dropped == 0 and t.rejected == 0
+    finally:
+        t.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -29,6 +30,14 @@ def test_the_catalogue_is_current_and_covers_every_package():
     assert per["model/spec"] >= 2 and per["model/encoding"] >= 2, per
     assert set(CI_SUBSET) <= {m.name for m in MUTANTS}
     assert {m.package for m in MUTANTS if m.name in CI_SUBSET} == set(per)
+
+
+def test_every_mutant_names_test_functions_not_files():
+    """A mutant is killed by named tests: a file (or a class) alone would let any of
+    its tests, even one unrelated to the bug, take the kill."""
+    loose = [(m.name, t) for m in MUTANTS for t in m.tests
+             if not re.fullmatch(r"tests/[\w/]+\.py::test_\w+(\[[^\]]+\])?", t)]
+    assert loose == []
 
 
 def test_every_named_test_exists():
