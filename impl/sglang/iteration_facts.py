@@ -6,7 +6,8 @@ the wheel and nothing downloads: this checks the variant table against the code.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from impl.sglang.wheels import open_wheel
 from model.spec.agreement import Op, Point, Skip
@@ -158,20 +159,24 @@ def offload_mechanisms_modelled(v: IterVariant) -> OffloadMechanisms:
                              any(p.skip is Skip.LOCAL_FLAG for p in drains))
 
 
-def offload_mismatches(version: str) -> list[str]:
-    w = open_wheel(version)
+def differences(version: str, variant: str, got: Any, want: Any) -> list[str]:
+    """One line per fact (a dataclass field) where the source and the variant differ."""
+    return [f"{version} {f.name}: source {getattr(got, f.name)}, {variant} {getattr(want, f.name)}"
+            for f in fields(got) if getattr(got, f.name) != getattr(want, f.name)]
+
+
+def offload_mismatches(version: str, source: str | None = None) -> list[str]:
+    w = open_wheel(version, source)
     got = offload_mechanisms_of(w.source_of(OFFLOAD)[0], w.source_of(SCHEDULER)[0])
-    want = offload_mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
-    return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
-            for name in OffloadMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+    return differences(version, MODELLED_BY[version],
+                       got, offload_mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]]))
 
 
-def release_mismatches(version: str) -> list[str]:
-    """What the release's source does that its variant does not model (empty: none)."""
-    got = mechanisms_of(open_wheel(version).source_of(DECODE)[0])
-    want = mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
-    return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
-            for name in Mechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+def release_mismatches(version: str, source: str | None = None) -> list[str]:
+    """What the release's source does that its variant does not model (empty: none);
+    ``source``: a tree whose modules replace the wheel's (an edited copy)."""
+    got = mechanisms_of(open_wheel(version, source).source_of(DECODE)[0])
+    return differences(version, MODELLED_BY[version], got, mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]]))
 
 
 PREFILL = "sglang.srt.disaggregation.prefill"
@@ -217,10 +222,8 @@ def prefill_mechanisms_modelled(v: IterVariant) -> PrefillMechanisms:
                              by["inflight_poll"].skip, waiting.skip if waiting else None)
 
 
-def prefill_mismatches(version: str) -> list[str]:
+def prefill_mismatches(version: str, source: str | None = None) -> list[str]:
     """What the release's prefill.py does that its prefill-* variant does not model."""
     name = PREFILL_MODELLED_BY[version]
-    got = prefill_mechanisms_of(open_wheel(version).source_of(PREFILL)[0])
-    want = prefill_mechanisms_modelled(ITER_VARIANTS[name])
-    return [f"{version} {f}: source {getattr(got, f)}, {name} {getattr(want, f)}"
-            for f in PrefillMechanisms.__dataclass_fields__ if getattr(got, f) != getattr(want, f)]
+    got = prefill_mechanisms_of(open_wheel(version, source).source_of(PREFILL)[0])
+    return differences(version, name, got, prefill_mechanisms_modelled(ITER_VARIANTS[name]))
