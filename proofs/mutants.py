@@ -450,6 +450,62 @@ ITERATION_MUTANTS: list[Mutant] = [
 MUTANTS += ITERATION_MUTANTS
 
 
+# -- the iteration mechanisms added later: a release's host-staged MIN, the ALL_READY skip,
+# the broadcast, the FIFO halt -----------------------------------------------------------------
+def _all_ready_reads_local_poll() -> None:
+    """0.5.12's skip tests each rank's own handshake poll (WaitingForInput here) instead
+    of the agreed READY stage (``waiting_for_input``, set from the MIN)."""
+    from model.spec import agreement
+    original = agreement.triggers
+
+    def triggers(p, stage, local, ops):
+        if p.skip is agreement.Skip.ALL_READY:
+            return ops.and_(agreement.is_member(p, stage, ops), ops.not_(ops.eq(local, 2)))
+        return original(p, stage, local, ops)
+    _replace_everywhere(original, triggers)
+
+
+def _broadcast_own_value() -> None:
+    """The unbounded encoding's broadcast gives each rank its own value, not rank 0's."""
+    from model.encoding import iteration
+    from model.spec.agreement import Op
+    original = iteration.Unbounded.reduced
+
+    def reduced(self, p, contrib):
+        return contrib if p.op is Op.BROADCAST else original(self, p, contrib)
+    iteration.Unbounded.reduced = reduced
+
+
+def _halt_ignored() -> None:
+    """The spec's walk never halts (each member moves on its own value, as the variants
+    had it before conform --points ran the wheels' admission); the encoding still halts."""
+    from model.spec import iteration
+    original = iteration.act
+
+    def act(p, stages, inputs, issued, values, f=iteration.PYF):
+        return original(replace(p, halt=None), stages, inputs, issued, values, f)
+    _replace_everywhere(original, act)
+
+
+LATER_ITERATION_MUTANTS: list[Mutant] = [
+    Mutant("iter-0.5.21-host-release-local", "iteration",
+           "0.5.21 frees host-staged holds on each rank's own ack (no MIN)",
+           _iter_point("iter-0.5.21", "deferred_release_host", op="local"),
+           ("safety:point:deferred_release_host@iter-0.5.21",)),
+    Mutant("agreement-all-ready-reads-local-poll", "agreement",
+           "0.5.12's prealloc skip tests each rank's own poll, not the agreed WaitingForInput",
+           _all_ready_reads_local_poll, ("safety:point:prealloc_poll@iter-0.5.12",)),
+    Mutant("iter-encoding-broadcast-own", "encoding", "unbounded broadcast: each rank acts on its own value",
+           _broadcast_own_value, ("safety:point:recv_requests@iter-strict",)),
+    Mutant("agreement-halt-ignored", "agreement", "the spec's FIFO walk never halts (admits each request on its own)",
+           _halt_ignored, ("refines:iteration@iter-0.5.12",)),
+    Mutant("iter-encoding-halt-no-witness", "encoding", "unbounded FIFO halt may hold with no request ahead halting",
+           _drop_witness("halted"), ("safety:point:admission@iter-strict",)),
+]
+ITERATION_MUTANTS += LATER_ITERATION_MUTANTS
+MUTANTS += LATER_ITERATION_MUTANTS
+
+
 # -- pipeline parallel's mutants (model/spec/pipeline.py, model/encoding/pipeline.py) ------
 def _pp_point(variant: str, point: str, **changes: Any) -> Callable[[], None]:
     """Change one point of one pipeline variant; an ``across`` is given by its value."""
@@ -547,6 +603,18 @@ def _limit_zero_allowed() -> None:
     _replace_everywhere(original, weakened)
 
 
+def _timer_no_restart() -> None:
+    """A timer runs on when its request moves to the next timed stage (elapsed and age
+    carried over): only leaving (GONE) restarts it."""
+    from model.spec import clocks
+    original = clocks.advance
+
+    def advance(start, after, elapsed, age, dt, ops=clocks.PY):
+        moved_on = ops.ite(ops.eq(after, int(clocks.C.GONE)), after, start)   # a move reads as staying
+        return original(start, moved_on, elapsed, age, dt, ops)
+    _replace_everywhere(original, advance)
+
+
 CLOCK_MUTANTS: list[Mutant] = [
     Mutant("clocks-strict-transfer-untimed", "clocks", "strict times WaitingForInput only, as the receivers (#31800)",
            _strict_transfer_untimed, ("liveness:bounded_wait@clocks-strict",)),
@@ -560,6 +628,8 @@ CLOCK_MUTANTS: list[Mutant] = [
            _clock_frozen, ("liveness:bounded_wait@clocks-strict",)),
     Mutant("clocks-encoding-limit-zero", "encoding", "the encoded limits may be 0 units",
            _limit_zero_allowed, ("liveness:bounded_wait@clocks-strict",)),
+    Mutant("clocks-timer-no-restart", "clocks", "a timer runs on when its request moves to the next stage",
+           _timer_no_restart, ("liveness:bounded_wait@clocks-strict",)),
 ]
 MUTANTS += CLOCK_MUTANTS
 

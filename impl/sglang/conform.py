@@ -360,6 +360,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each release's own PP decode transfer consensus (scheduler PP mixin + "
                         "pop_transferred) on 2 stages x 2 thread ranks against its pp-* variant "
                         "(impl/sglang/pprun.py); takes --sglang, --variant (a pp-* decode variant), --json")
+    p.add_argument("--facts", action="store_true",
+                   help="read each release's source with ast (decode iteration, offload, prefill, PP, "
+                        "wall-clock timeouts: impl/sglang/*_facts.py) and compare it with the variants "
+                        "that model it; takes --sglang, --source (one release), --json")
     p.add_argument("--seed", type=int, metavar="S",
                    help="with --points: the seed of the random scenarios (default 0)")
     p.add_argument("--random", type=int, metavar="N",
@@ -379,6 +383,9 @@ def _versions(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from impl.sglang.wheels import MissingRelease
+    if getattr(args, "facts", False):
+        from impl.sglang.facts import run_facts
+        return run_facts(args)
     if getattr(args, "pp", False):
         from impl.sglang.pprun import run_pp
         return run_pp(args)

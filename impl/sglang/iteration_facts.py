@@ -6,10 +6,11 @@ the wheel and nothing downloads: this checks the variant table against the code.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from impl.sglang.wheels import open_wheel
-from model.spec.agreement import Op, Skip
+from model.spec.agreement import Op, Point, Skip
 from model.spec.iteration import ITER_VARIANTS, IterVariant
 
 DECODE = "sglang.srt.disaggregation.decode"
@@ -25,6 +26,7 @@ class Mechanisms:
     resolve: Op           # how pending requests reach the prealloc queue
     prealloc_skip: Skip   # when a rank skips the prealloc queue's poll MIN
     admission: Op         # pop_preallocated
+    admission_halts: bool  # ... stops its FIFO walk at the first request that does not fit
     transfer_veto: bool   # a rank-local continue after the transfer MIN's Success
     checksum: Op | None   # _verify_kv_checksums (None: no checksum)
     hold: Op | None       # pop_transferred's decision to hold a failed request's slot (None: never held)
@@ -57,20 +59,27 @@ def _prealloc_skip(fn: ast.FunctionDef) -> Skip:
     return Skip.ALL_READY_NO_LOCAL_FAIL if any("Failed" in t for t in ready) else Skip.ALL_READY
 
 
-def _veto(fn: ast.FunctionDef, exits: tuple[type, ...], markers: tuple[str, ...]) -> bool:
+def _veto(fn: ast.FunctionDef, exits: tuple[type, ...], markers: tuple[str, ...]) -> str | None:
     """A rank-local exit (one of ``exits``: ``continue``, ``break``) from the loop under a
-    test naming one of ``markers``."""
+    test naming one of ``markers``: which ("continue" or "break"), or None."""
     for node in ast.walk(fn):
         if isinstance(node, ast.If) and any(isinstance(b, exits) for b in node.body):
             test = _text(node.test)
             if any(m in test for m in markers):
-                return True
-    return False
+                return next(type(b).__name__.lower() for b in node.body if isinstance(b, exits))
+    return None
+
+
+def _exit_of(p: Point) -> str | None:
+    """How a point's rank-local keep leaves the walk: a ``break`` where it halts it."""
+    return None if p.veto is None else "break" if p.halt is not None else "continue"
 
 
 # decode: host staging or a pending HiCache restore; prefill: no free metadata buffer
 _TRANSFER_VETO = ((ast.Continue,), ("allocate_host_staged", "HiCacheRestoreResult.PENDING"))
 _BUFFER_VETO = ((ast.Continue, ast.Break), ("ensure_metadata_buffer", "available_size() == 0"))
+# pop_preallocated's token-budget test (the fit): ``break`` stops the FIFO walk
+_FIT_BREAK = ((ast.Break,), ("allocatable_tokens", "_prealloc_reservation_fits"))
 
 
 def _reduce_op(fn: ast.FunctionDef) -> Op:
@@ -88,7 +97,8 @@ def mechanisms_of(source: str) -> Mechanisms:
         resolve=Op.MIN if _collective(fns.get("_resolve_pending_reqs")) else Op.LOCAL,
         prealloc_skip=_prealloc_skip(fns["_update_handshake_waiters"]),
         admission=Op.MIN if _collective(fns.get("pop_preallocated")) else Op.LOCAL,
-        transfer_veto=_veto(pop, *_TRANSFER_VETO),
+        admission_halts=_veto(fns["pop_preallocated"], *_FIT_BREAK) is not None,
+        transfer_veto=_veto(pop, *_TRANSFER_VETO) is not None,
         checksum=None if checksum is None else (Op.MAX if "ReduceOp.MAX" in _text(checksum) else Op.LOCAL),
         # 0.5.23 reduces the hold flags with a MAX inside pop_transferred (its only MAX there)
         hold=None if not holds else Op.MAX if "ReduceOp.MAX" in _text(pop) else Op.LOCAL,
@@ -107,6 +117,7 @@ def mechanisms_modelled(v: IterVariant) -> Mechanisms:
     folded = by["prealloc_poll"].gate == "unresolved"
     return Mechanisms(resolve=resolve.op if resolve else Op.LOCAL if folded else Op.MIN,
                       prealloc_skip=by["prealloc_poll"].skip, admission=by["admission"].op,
+                      admission_halts=by["admission"].halt is not None,
                       transfer_veto=by["transfer_poll"].veto is not None,
                       checksum=checksum.op if checksum else None,
                       hold=hold.op if hold else None, release=release.op if release else None,
@@ -148,31 +159,36 @@ def offload_mechanisms_modelled(v: IterVariant) -> OffloadMechanisms:
                              any(p.skip is Skip.LOCAL_FLAG for p in drains))
 
 
-def offload_mismatches(version: str) -> list[str]:
-    w = open_wheel(version)
+def differences(version: str, variant: str, got: Any, want: Any) -> list[str]:
+    """One line per fact (a dataclass field) where the source and the variant differ."""
+    return [f"{version} {f.name}: source {getattr(got, f.name)}, {variant} {getattr(want, f.name)}"
+            for f in fields(got) if getattr(got, f.name) != getattr(want, f.name)]
+
+
+def offload_mismatches(version: str, source: str | None = None) -> list[str]:
+    w = open_wheel(version, source)
     got = offload_mechanisms_of(w.source_of(OFFLOAD)[0], w.source_of(SCHEDULER)[0])
-    want = offload_mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
-    return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
-            for name in OffloadMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+    return differences(version, MODELLED_BY[version],
+                       got, offload_mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]]))
 
 
-def release_mismatches(version: str) -> list[str]:
-    """What the release's source does that its variant does not model (empty: none)."""
-    got = mechanisms_of(open_wheel(version).source_of(DECODE)[0])
-    want = mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]])
-    return [f"{version} {name}: source {getattr(got, name)}, {MODELLED_BY[version]} {getattr(want, name)}"
-            for name in Mechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+def release_mismatches(version: str, source: str | None = None) -> list[str]:
+    """What the release's source does that its variant does not model (empty: none);
+    ``source``: a tree whose modules replace the wheel's (an edited copy)."""
+    got = mechanisms_of(open_wheel(version, source).source_of(DECODE)[0])
+    return differences(version, MODELLED_BY[version], got, mechanisms_modelled(ITER_VARIANTS[MODELLED_BY[version]]))
 
 
 PREFILL = "sglang.srt.disaggregation.prefill"
-PREFILL_MODELLED_BY = {"0.5.12": "prefill-0.5.12", "0.5.13": "prefill-0.5.12", "0.5.18": "prefill-0.5.18",
+PREFILL_MODELLED_BY = {"0.5.12": "prefill-0.5.12", "0.5.13": "prefill-0.5.13", "0.5.18": "prefill-0.5.18",
                        "0.5.19": "prefill-0.5.18", "0.5.21": "prefill-0.5.18", "0.5.23": "prefill-0.5.18"}
 
 
 @dataclass(frozen=True)
 class PrefillMechanisms:
     bootstrap_skip: Skip   # pop_bootstrapped's early return
-    bootstrap_veto: bool   # a rank without a free metadata buffer keeps the request
+    bootstrap_veto: str | None   # a rank without a free metadata buffer keeps the request: "continue",
+                                 # or "break" (the later requests stay too); None: never
     inflight_skip: Skip    # process_disagg_prefill_inflight_queue's early return
     waiting: Skip | None   # resolve_waiting_queue_bootstrap's empty return (None: no such MIN)
 
@@ -202,14 +218,12 @@ def _collective_poll(fn: ast.FunctionDef) -> bool:
 def prefill_mechanisms_modelled(v: IterVariant) -> PrefillMechanisms:
     by = {p.name: p for p in v.points}
     waiting = by.get("waiting_bootstrap")
-    return PrefillMechanisms(by["bootstrap_poll"].skip, by["bootstrap_poll"].veto is not None,
+    return PrefillMechanisms(by["bootstrap_poll"].skip, _exit_of(by["bootstrap_poll"]),
                              by["inflight_poll"].skip, waiting.skip if waiting else None)
 
 
-def prefill_mismatches(version: str) -> list[str]:
+def prefill_mismatches(version: str, source: str | None = None) -> list[str]:
     """What the release's prefill.py does that its prefill-* variant does not model."""
     name = PREFILL_MODELLED_BY[version]
-    got = prefill_mechanisms_of(open_wheel(version).source_of(PREFILL)[0])
-    want = prefill_mechanisms_modelled(ITER_VARIANTS[name])
-    return [f"{version} {f}: source {getattr(got, f)}, {name} {getattr(want, f)}"
-            for f in PrefillMechanisms.__dataclass_fields__ if getattr(got, f) != getattr(want, f)]
+    got = prefill_mechanisms_of(open_wheel(version, source).source_of(PREFILL)[0])
+    return differences(version, name, got, prefill_mechanisms_modelled(ITER_VARIANTS[name]))

@@ -83,7 +83,8 @@ def fixed_scenarios() -> list[Scenario]:
         D("fits-split", [[rdy]] * 2, fits=[[1], [0]]),                  # local admission
         D("ready-fail-one", [[rdy]] * 2, handshake=[[0], [2]], fits=both(0)),   # the 0.5.13 skip
         D("queue-split", [[rdy], [S.TRANSFER]], fits=[[0], [1]]),        # after a split admission
-        D("fits-head-of-line", [[rdy, rdy]] * 2, fits=both(0, 1)),
+        D("fits-head-of-line", [[rdy, rdy]] * 2, fits=both(0, 1)),         # the FIFO break
+        D("head-of-line-split", [[rdy, rdy]] * 2, fits=[[0, 1], [1, 1]]),
         D("two-mixed", [[pre, rdy]] * 2, handshake=[[2, 2], [1, 2]], fits=[[1, 1], [1, 0]]),
         R("boot-ready", [[P.BOOTSTRAP]] * 2, both(2), (2, 2)),
         R("boot-fail-one", [[P.BOOTSTRAP]] * 2, [[0], [2]], (2, 2)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from impl.sglang.iteration_facts import DECODE, PREFILL, _functions, _text
+from impl.sglang.iteration_facts import DECODE, PREFILL, _functions, _text, differences
 from impl.sglang.wheels import open_wheel
 from model.spec.agreement import Across
 from model.spec.pipeline import PP_VARIANTS, PPVariant
@@ -64,11 +64,10 @@ def mechanisms_modelled(decode: PPVariant, prefill: PPVariant | None) -> PPMecha
                         and any(p.across is Across.PP0 for p in prefill.points))
 
 
-def release_mismatches(version: str) -> list[str]:
+def release_mismatches(version: str, source: str | None = None) -> list[str]:
     """What the release's source does that its pp-* variants do not model (empty: none)."""
-    w = open_wheel(version)
+    w = open_wheel(version, source)
     got = mechanisms_of(*(w.source_of(m)[0] for m in (MIXIN, DECODE, PREFILL, UTILS)))
     dec, pre = MODELLED_BY[version]
     want = mechanisms_modelled(PP_VARIANTS[dec], PP_VARIANTS[pre] if pre else None)
-    return [f"{version} {name}: source {getattr(got, name)}, {dec}/{pre} {getattr(want, name)}"
-            for name in PPMechanisms.__dataclass_fields__ if getattr(got, name) != getattr(want, name)]
+    return differences(version, f"{dec}/{pre}", got, want)

@@ -22,7 +22,8 @@ import z3
 
 from model.encoding.solver import CheckResult, Solver
 from model.encoding.vocab import Z3OPS, memo
-from model.spec.agreement import Op, Point, Skip, contribution, is_member, issues, next_stage, triggers
+from model.spec.agreement import (Op, Point, Skip, contribution, halts, is_member, issues, next_stage,
+                                  triggers)
 from model.spec.iteration import (INPUTS, Folds, IterVariant, apply_point, initial_stages)
 
 
@@ -61,9 +62,13 @@ class Unbounded:
             self.rank, self.ranks = _enum("IRank", universe[0])
             self.req, self.reqs = _enum("IReq", universe[1])
         self.root = z3.Const("rank0", self.rank)       # the broadcast's source
+        # a request's place in the queues (a halting point walks them in this order); ties
+        # and any order only add behaviour, so nothing more is assumed of it unbounded
+        self.pos = z3.Function("queue_pos", self.req, z3.IntSort())
         self.axioms: list[z3.BoolRef] = []
-        if universe is not None:                       # rank 0 is the first rank
+        if universe is not None:                       # rank 0 is the first rank, request order
             self.axioms.append(self.root == self.ranks[0])
+            self.axioms += [self.pos(r) == i for i, r in enumerate(self.reqs)]
         self._n = 0
         self.witnesses: list[z3.FuncDeclRef] = []      # each reduction's witness rank (per request)
         self.triggers: list[tuple[z3.FuncDeclRef, StageFn]] = []   # each "some member triggers"
@@ -109,6 +114,20 @@ class Unbounded:
                         self.forall(lambda k, r: red(r) == contrib(wit(r), r))]
         return red
 
+    def ahead(self, r2: Any, r: Any) -> z3.BoolRef:
+        return self.pos(r2) < self.pos(r)
+
+    def halted(self, name: str, stops: StageFn) -> StageFn:
+        """halted(k, r) == some request ahead of r stops k's walk: every such stop implies
+        it, and it implies a witness request's (a skolem function)."""
+        fn = z3.Function(self._name(f"halted_{name}"), self.rank, self.req, z3.BoolSort())
+        wit = z3.Function(self._name(f"halt_at_{name}"), self.rank, self.req, self.req)
+        k, r, r2 = (z3.Const(self._name(x), s) for x, s in (("k", self.rank), ("r", self.req), ("r", self.req)))
+        self.axioms += [z3.ForAll([k, r, r2], z3.Implies(z3.And(self.ahead(r2, r), stops(k, r2)), fn(k, r))),
+                        self.forall(lambda k, r: z3.Implies(fn(k, r), z3.And(self.ahead(wit(k, r), r),
+                                                                              stops(k, wit(k, r)))))]
+        return fn
+
     def point(self, p: Point, st: StageFn, inp: dict[str, StageFn]) -> tuple[StageFn, Callable[[Any], Any]]:
         """The stages after p, and who issued its collective, as closures over ``st``."""
         val = lambda name, k, r: 0 if name is None else inp[name](k, r)
@@ -120,8 +139,10 @@ class Unbounded:
         contrib = memo(lambda k, r: contribution(p, issued(k), st(k, r), val(p.input, k, r),
                                                  val(p.gate, k, r), Z3OPS))
         reduced = self.reduced(p, contrib)
-        after = memo(lambda k, r: next_stage(p, issued(k), st(k, r), reduced(k, r),
-                                             val(p.veto, k, r), Z3OPS))
+        halted = None if p.halt is None else self.halted(p.name, lambda k, r: halts(
+            p, issued(k), st(k, r), reduced(k, r), val(p.veto, k, r), Z3OPS))
+        after = memo(lambda k, r: next_stage(p, issued(k), st(k, r), reduced(k, r), val(p.veto, k, r),
+                                             Z3OPS, None if halted is None else halted(k, r)))
         return after, issued
 
     def reduced(self, p: Point, contrib: StageFn) -> StageFn:
@@ -205,13 +226,18 @@ def preserves(v: IterVariant, points: Sequence[Point] | None = None, timeout_ms:
 def decides_agreed(v: IterVariant, p: Point, timeout_ms: int = 20_000,
                    universe: tuple[int, int] | None = None) -> Query:
     """From ANY state: can two ranks that issued p's collective and hold a request move
-    it differently? unsat = no_local_decision_after_min holds at p (every T, N)."""
+    it differently? unsat = no_local_decision_after_min holds at p (every T, N). At a
+    halting point the move depends on the requests ahead in the rank's own queue, so
+    there: any state in which the two ranks hold those alike."""
     u = Unbounded(universe)
     st, inp = u.stage_fn("0"), u.inputs(v, "0")
     k1, k2, r = z3.Const("k1", u.rank), z3.Const("k2", u.rank), z3.Const("r", u.req)
     ((_, before, after, issued),) = u.iteration(v, st, inp, [p])
     s = Solver(timeout_ms)
     s.add(*u.axioms, moves_differ(p, before, after, issued, k1, k2, r))
+    if p.halt is not None:
+        r2 = z3.Const("r_ahead", u.req)
+        s.add(z3.ForAll([r2], z3.Implies(u.ahead(r2, r), st(k1, r2) == st(k2, r2))))
     res = s.check()
     return Query(f"decides_agreed[{p.name}]", res, _show(u, res.model, st, inp))
 

@@ -15,7 +15,12 @@ iteration's input named ``input``), capped at ``gate_value`` where the rank's ga
 (input ``gate``) is set; the collective reduces over the ranks that hold the request;
 each member then moves to ``moves[value]`` (absent: it stays), unless the reduced value
 is ``veto_value`` and the rank's veto flag (input ``veto``) keeps it: a rank-local
-decision after the collective (SGLang's ``continue``s in ``pop_transferred``).
+decision after the collective (SGLang's ``continue``s in ``pop_transferred``). A point
+with a ``halt`` walks its members in queue order (the request order) and stops at the
+first whose value is ``halt`` (and, where the point has a veto, which the veto keeps):
+every later member stays where it is (SGLang's FIFO ``break``s in ``pop_preallocated``
+and 0.5.12's ``pop_bootstrapped``). Whether an earlier member halted is a fold over
+requests, which the caller supplies as it supplies the reduction over ranks.
 """
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ class Point:
     veto_value: int = 0                 # ... when the reduced value is this one
     shape: int | None = None            # a fixed vector length (else: the member count)
     across: Across = Across.GROUP       # PP: whose values the stages act on
+    halt: int | None = None             # a FIFO ``break``: the first member with this value stops the walk
 
     @property
     def collective(self) -> bool:
@@ -141,11 +147,23 @@ def contribution(p: Point, issued: Any, stage: Any, local: Any, gate: Any, ops: 
     return ops.ite(ops.and_(acts(p, issued, ops), is_member(p, stage, ops)), value, p.neutral)
 
 
-def next_stage(p: Point, issued: Any, stage: Any, reduced: Any, veto: Any, ops: Ops) -> Any:
-    """Where one request goes on this rank once the reduced value is known."""
+def halts(p: Point, issued: Any, stage: Any, reduced: Any, veto: Any, ops: Ops) -> Any:
+    """This member stops the rank's walk of its queue: the later members stay."""
+    if p.halt is None:
+        return ops.false
+    stop = ops.and_(acts(p, issued, ops), is_member(p, stage, ops), ops.eq(reduced, p.halt))
+    return ops.and_(stop, ops.eq(veto, 1)) if p.veto is not None else stop
+
+
+def next_stage(p: Point, issued: Any, stage: Any, reduced: Any, veto: Any, ops: Ops,
+               halted: Any = None) -> Any:
+    """Where one request goes on this rank once the reduced value is known (``halted``:
+    an earlier member of this rank's queue halted the walk, so it stays)."""
     out = stage
     for value, target in p.moves:
         out = ops.ite(ops.eq(reduced, value), int(target), out)
     if p.veto is not None:
         out = ops.ite(ops.and_(ops.eq(veto, 1), ops.eq(reduced, p.veto_value)), stage, out)
+    if halted is not None:
+        out = ops.ite(halted, stage, out)
     return ops.ite(ops.and_(acts(p, issued, ops), is_member(p, stage, ops)), out, stage)

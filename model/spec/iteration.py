@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Callable, Mapping, Sequence
 
-from model.spec.agreement import (Op, Point, Skip, Stage, contribution, is_member, issues,
+from model.spec.agreement import (Op, Point, Skip, Stage, contribution, halts, is_member, issues,
                                   next_stage, triggers)
 from model.spec.invariants import Violation
 from model.spec.kernel import PY, Ops
@@ -66,7 +66,9 @@ def prealloc(skip: Skip) -> Point:
                  input="handshake", gate="unresolved", gate_value=1)
 
 
-ADMIT_LOCAL = Point("admission", Op.LOCAL, (S.READY,), ((1, S.TRANSFER),), input="fits")
+# pop_preallocated walks the queue in order and ``break``s at the first request that does
+# not fit this rank's budget: the later ones wait too (every release)
+ADMIT_LOCAL = Point("admission", Op.LOCAL, (S.READY,), ((1, S.TRANSFER),), input="fits", halt=0)
 TRANSFER_MOVES = ((0, S.GONE), (4, S.PREBUILT))
 TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY, input="transfer")
 TRANSFER_VETO = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_MOVES, Skip.EMPTY,
@@ -97,7 +99,10 @@ FORWARD = Point("forward", Op.ALL_REDUCE, (S.RUNNING,), ((1, S.GONE),), Skip.EMP
 # strict: every rank-local fact goes through a gate before the collective, so nothing
 # local is left after it; the skips read only agreed stages.
 STRICT_PREALLOC = prealloc(Skip.EMPTY)
-STRICT_ADMIT = Point("admission", Op.MIN, (S.READY,), ((1, S.TRANSFER),), Skip.EMPTY, input="fits")
+# agreed admission, FIFO as the releases': the walk stops at the first request some rank
+# cannot take (the agreed MIN), so every rank stops at the same one (impl/decode's admit:
+# the MIN of the prefix each rank can take)
+STRICT_ADMIT = replace(ADMIT_LOCAL, op=Op.MIN, skip=Skip.EMPTY)
 STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (S.TRANSFER,), TRANSFER_DEFER.moves, Skip.EMPTY,
                         input="transfer", gate="held", gate_value=3)
 # the drain is issued by every rank with a running batch; its MAX of the ranks' retract
@@ -157,9 +162,11 @@ P = PStage
 P_RECV = Point("recv_requests", Op.BROADCAST, (P.ABSENT,), ((1, P.BOOTSTRAP),), input="arrive", shape=1)
 _BOOTSTRAP_MOVES = ((0, P.GONE), (2, P.WAITING))
 # pop_bootstrapped: the MIN, then a rank without a free metadata buffer keeps the request
-# (0.5.12: ``break``; 0.5.18 on: ``continue``), #37909
+# (0.5.13 on: ``continue``, #37909; 0.5.12: ``break``, so the later requests stay too,
+# a Failed one among them)
 P_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
                     input="bootstrap", veto="no_buffer", veto_value=2)
+P_BOOTSTRAP_BREAK = replace(P_BOOTSTRAP, halt=2)
 P_STRICT_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
                            input="bootstrap", gate="no_buffer", gate_value=1)
 P_FORWARD = Point("forward", Op.ALL_REDUCE, (P.WAITING,), ((0, P.INFLIGHT),), Skip.EMPTY)
@@ -168,7 +175,9 @@ P_INFLIGHT = Point("inflight_poll", Op.MIN, (P.INFLIGHT,), ((0, P.GONE), (4, P.G
 # resolve_waiting_queue_bootstrap (0.5.18 on): the MIN over the waiting queue's
 # non-aborted requests (``if not candidates: return``); Failed leaves
 P_WAITING = Point("waiting_bootstrap", Op.MIN, (P.WAITING,), ((0, P.GONE),), Skip.EMPTY, input="bootstrap")
-for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 and 0.5.13 (prefill)",
+for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 (prefill)",
+                       (P_RECV, P_BOOTSTRAP_BREAK, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
+           IterVariant("prefill-0.5.13", "SGLang 0.5.13 (prefill)",
                        (P_RECV, P_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
            IterVariant("prefill-0.5.18", "SGLang 0.5.18 to 0.5.23 (prefill)",
                        (P_RECV, P_BOOTSTRAP, P_WAITING, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
@@ -254,9 +263,15 @@ def point_values(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs, f: F
 
 def act(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs, issued: Sequence[Any],
         values: Sequence[Sequence[Any]], f: Folds = PYF) -> tuple[tuple[Any, ...], ...]:
-    """Every rank moves its members on the values it was given (and its veto)."""
-    return tuple(tuple(next_stage(p, issued[k], stages[k][r], values[k][r], _value(inputs, p.veto, k, r), f.ops)
-                       for r in range(len(stages[k]))) for k in range(len(stages)))
+    """Every rank moves its members on the values it was given (and its veto); a
+    halting point's walk stops at its first halting member (queue order: request order)."""
+    def row(k: int) -> tuple[Any, ...]:
+        reqs = range(len(stages[k]))
+        veto = [_value(inputs, p.veto, k, r) for r in reqs]
+        stops = [halts(p, issued[k], stages[k][r], values[k][r], veto[r], f.ops) for r in reqs]
+        return tuple(next_stage(p, issued[k], stages[k][r], values[k][r], veto[r], f.ops,
+                                f.some(stops[:r]) if p.halt is not None else None) for r in reqs)
+    return tuple(row(k) for k in range(len(stages)))
 
 
 def apply_point(p: Point, stages: Sequence[Sequence[Any]], inputs: Inputs,

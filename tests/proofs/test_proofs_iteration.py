@@ -96,7 +96,8 @@ def test_the_whole_iteration_rows_compose_the_points_and_name_the_first_breaking
 
 def test_iteration_mutants_are_killed_by_the_rows_they_name():
     names = ["iter-strict-admission-local", "iter-encoding-min-no-witness", "iter-strict-hold-local",
-             "agreement-local-flag-ignored"]
+             "agreement-local-flag-ignored", "iter-0.5.21-host-release-local", "iter-encoding-broadcast-own",
+             "agreement-halt-ignored"]
     got = {r.name: r for r in run_all(names)}
     for m in ITERATION_MUTANTS:
         if m.name in names:

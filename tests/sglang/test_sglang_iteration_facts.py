@@ -3,11 +3,13 @@ each pinned release's source shows exactly the mechanisms its iter-* variant mod
 a source changed at one mechanism is reported at that mechanism."""
 import pytest
 
-from impl.sglang.iteration_facts import (DECODE, MODELLED_BY, OFFLOAD, PREFILL, SCHEDULER, mechanisms_of,
-                                        offload_mechanisms_of, offload_mismatches, prefill_mechanisms_of,
-                                        prefill_mismatches, release_mismatches)
+from impl.sglang.iteration_facts import (DECODE, MODELLED_BY, OFFLOAD, PREFILL, PREFILL_MODELLED_BY, SCHEDULER,
+                                        mechanisms_of, offload_mechanisms_of, offload_mismatches,
+                                        prefill_mechanisms_modelled, prefill_mechanisms_of, prefill_mismatches,
+                                        release_mismatches)
 from impl.sglang.wheels import PINNED, open_wheel
 from model.spec.agreement import Op, Skip
+from model.spec.iteration import ITER_VARIANTS
 
 
 @pytest.mark.parametrize("version", PINNED)
@@ -24,6 +26,7 @@ def test_the_release_differences_are_read_from_the_source():
     assert [got[v].hold for v in got] == [None, None, Op.LOCAL, Op.MAX]
     assert [got[v].release for v in got] == [None, None, Op.MIN, Op.MIN]
     assert [got[v].release_host_only for v in got] == [False, False, True, False]
+    assert [got[v].admission_halts for v in got] == [True] * 4        # the fit test's FIFO break
     v19 = mechanisms_of(open_wheel("0.5.19").source_of(DECODE)[0])
     assert (v19.hold, v19.release) == (Op.LOCAL, Op.LOCAL)     # deferred release came in 0.5.19, with no collective
 
@@ -63,6 +66,11 @@ def test_the_offload_drain_is_read_from_the_source():
       "flags=ready, group=self.gloo_group, op=torch.distributed.ReduceOp.SUM"), "release", Op.LOCAL),
     (("                        decode_req\n                    ):\n                        continue\n",
       "                        decode_req\n                    ):\n                        pass\n"), "transfer_veto", False),
+    # pop_preallocated skipping a request that does not fit instead of stopping the walk
+    (("                    self.tree_cache.unlock(decode_req.req.lock)\n                    decode_req.req.lock = None\n"
+      "                break\n",
+      "                    self.tree_cache.unlock(decode_req.req.lock)\n                    decode_req.req.lock = None\n"
+      "                continue\n"), "admission_halts", False),
 ])
 def test_a_source_changed_at_one_mechanism_shows_there(edit, field, value):
     source = open_wheel("0.5.23").source_of(DECODE)[0]
@@ -74,16 +82,30 @@ def test_a_source_changed_at_one_mechanism_shows_there(edit, field, value):
 
 
 @pytest.mark.parametrize("version", PINNED)
-def test_each_release_prefill_is_modelled_by_prefill_0_5_12(version):
+def test_each_release_prefill_is_modelled_by_its_prefill_variant(version):
     assert prefill_mismatches(version) == []
 
 
 def test_a_prefill_source_without_the_buffer_continue_shows_it():
     source = open_wheel("0.5.23").source_of(PREFILL)[0]
     got = prefill_mechanisms_of(source)
-    assert got.bootstrap_veto and got.bootstrap_skip is Skip.EMPTY
+    assert got.bootstrap_veto == "continue" and got.bootstrap_skip is Skip.EMPTY
     edited = source.replace("if not self.ensure_metadata_buffer(req):", "if False:")
-    assert not prefill_mechanisms_of(edited).bootstrap_veto
+    assert prefill_mechanisms_of(edited).bootstrap_veto is None
+
+
+def test_0_5_12_breaks_at_the_missing_buffer_and_0_5_13_continues():
+    got = {v: prefill_mechanisms_of(open_wheel(v).source_of(PREFILL)[0]).bootstrap_veto for v in PINNED}
+    assert got == {"0.5.12": "break", **{v: "continue" for v in PINNED[1:]}}
+    assert PREFILL_MODELLED_BY["0.5.12"] == "prefill-0.5.12" and PREFILL_MODELLED_BY["0.5.13"] == "prefill-0.5.13"
+    # 0.5.12 edited to continue: its variant (the break) no longer models it
+    source = open_wheel("0.5.12").source_of(PREFILL)[0]
+    old = "available_size() == 0:\n                break\n"
+    assert source.count(old) == 1
+    edited = prefill_mechanisms_of(source.replace(old, "available_size() == 0:\n                continue\n"))
+    assert edited.bootstrap_veto == "continue"
+    assert prefill_mechanisms_modelled(ITER_VARIANTS["prefill-0.5.12"]) != edited
+    assert prefill_mechanisms_modelled(ITER_VARIANTS["prefill-0.5.13"]).bootstrap_veto == "continue"
 
 
 def test_the_waiting_queue_min_is_read_from_the_source():

@@ -285,3 +285,33 @@ def test_prefill_waiting_queue_min_follows_the_bootstrap_min_from_0_5_18():
     assert "waiting_bootstrap" in [n for n, _, _ in res.records[0]]
     assert "waiting_bootstrap" not in [n for n, _, _ in res.records[1]]
     assert "waiting_bootstrap" not in [p.name for p in ITER_VARIANTS["prefill-0.5.12"].points]
+
+
+def test_admission_stops_at_the_first_request_that_does_not_fit():
+    """pop_preallocated walks the queue in order and ``break``s at a request that does not
+    fit: the one behind it waits too, even where it fits (every release); strict's walk
+    stops at the agreed MIN's first 0, so both ranks stop at the same request."""
+    ready = ((S.READY, S.READY), (S.READY, S.READY))
+    cut = lambda v: type(v)(v.name, v.releases, tuple(p for p in v.points if p.name == "admission"))
+    v = cut(ITER_VARIANTS["iter-0.5.23"])
+    assert v.points[0].halt == 0
+    res = run_iteration(v, ready, {"fits": [[0, 1], [1, 1]]})
+    assert res.stages == ((S.READY, S.READY), (S.TRANSFER, S.TRANSFER))
+    strict = ITER_VARIANTS["iter-strict"]
+    res = run_iteration(cut(strict), ready, {"fits": [[0, 1], [1, 1]]})
+    assert res.stages == ((S.READY, S.READY), (S.READY, S.READY)) and iteration_violations(res, cut(strict)) == []
+    res = run_iteration(cut(strict), ready, {"fits": [[1, 0], [1, 1]]})
+    assert res.stages == ((S.TRANSFER, S.READY), (S.TRANSFER, S.READY))
+
+
+def test_0_5_12_prefill_breaks_at_the_missing_buffer_and_0_5_13_continues():
+    """A later request the MIN failed leaves the queue in 0.5.13 (``continue``) but stays
+    behind 0.5.12's ``break`` on the rank without a buffer."""
+    from model.spec.iteration import PStage
+    boot = ((PStage.BOOTSTRAP,) * 2,) * 2
+    inputs = {"bootstrap": [[2, 0], [2, 0]], "no_buffer": [[1, 0], [0, 0]]}
+    cut = lambda name: type(ITER_VARIANTS[name])(name, "", tuple(
+        p for p in ITER_VARIANTS[name].points if p.name == "bootstrap_poll"), PStage, PStage.INFLIGHT)
+    got = {name: run_iteration(cut(name), boot, inputs).stages for name in ("prefill-0.5.12", "prefill-0.5.13")}
+    assert got["prefill-0.5.12"] == ((PStage.BOOTSTRAP, PStage.BOOTSTRAP), (PStage.WAITING, PStage.GONE))
+    assert got["prefill-0.5.13"] == ((PStage.BOOTSTRAP, PStage.GONE), (PStage.WAITING, PStage.GONE))
