@@ -15,7 +15,9 @@ iteration's input named ``input``), capped at ``gate_value`` where the rank's ga
 (input ``gate``) is set; the collective reduces over the ranks that hold the request;
 each member then moves to ``moves[value]`` (absent: it stays), unless the reduced value
 is ``veto_value`` and the rank's veto flag (input ``veto``) keeps it: a rank-local
-decision after the collective (SGLang's ``continue``s in ``pop_transferred``).
+decision after the collective (SGLang's ``continue``s in ``pop_transferred``). Where a
+queue's poll covers more than the requests it acts on (a PP stage's second MIN polls its
+whole queue and pops only the checked rids), ``moving`` names the member stages that move.
 """
 from __future__ import annotations
 
@@ -84,6 +86,8 @@ class Point:
     veto_value: int = 0                 # ... when the reduced value is this one
     shape: int | None = None            # a fixed vector length (else: the member count)
     across: Across = Across.GROUP       # PP: whose values the stages act on
+    moving: tuple[int, ...] | None = None   # the members that move (None: all; the rest only poll)
+    union: tuple[int, ...] = ()         # RING: values one stage's list carries to all (a union: bad rids)
 
     @property
     def collective(self) -> bool:
@@ -148,4 +152,7 @@ def next_stage(p: Point, issued: Any, stage: Any, reduced: Any, veto: Any, ops: 
         out = ops.ite(ops.eq(reduced, value), int(target), out)
     if p.veto is not None:
         out = ops.ite(ops.and_(ops.eq(veto, 1), ops.eq(reduced, p.veto_value)), stage, out)
-    return ops.ite(ops.and_(acts(p, issued, ops), is_member(p, stage, ops)), out, stage)
+    held = is_member(p, stage, ops)
+    if p.moving is not None:
+        held = ops.and_(held, any_of(ops, *[ops.eq(stage, int(m)) for m in p.moving]))
+    return ops.ite(ops.and_(acts(p, issued, ops), held), out, stage)
