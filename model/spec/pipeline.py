@@ -7,8 +7,9 @@ Each PP stage is one TP group running the iteration's ``Point`` mechanism
 * ``GROUP``: its own stage's TP collective (apply_point over that stage's ranks);
 * ``ALL``: one collective over every (stage, rank) (the strict designs);
 * ``RING``: each stage's TP collective, then SGLang's PP ring (``_pp_pd_get_decode_
-  transferred_ids``): a request moves only where every stage's value moves it, an
-  intersection by rid; each stage then applies its own value;
+  transferred_ids``, ``_pp_pd_get_bootstrapped_ids``): a request moves only where every
+  stage's value moves it, an intersection by rid, and each stage applies its own value;
+  a ``union`` value (a bad rid) that any stage's value is goes to every stage first;
 * ``PP0``: stage 0's TP collective, forwarded to the later stages as a list that each
   zips with its own queue (0.5.23 prefill ``pp_sync_polls``): by position, not by rid.
 

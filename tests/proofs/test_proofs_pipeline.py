@@ -8,7 +8,6 @@ import pytest
 
 from tests.proofs.rows import prove_rows
 
-from model.cli import main
 from model.encoding.pipeline import preserves_pp
 from model.spec.pipeline import PP_VARIANTS
 from model.spec.validate import validate_any
