@@ -510,10 +510,12 @@ MUTANTS += LATER_ITERATION_MUTANTS
 def _pp_point(variant: str, point: str, **changes: Any) -> Callable[[], None]:
     """Change one point of one pipeline variant; an ``across`` is given by its value."""
     def apply() -> None:
-        from model.spec.agreement import Across
+        from model.spec.agreement import Across, Skip
         from model.spec.pipeline import PP_VARIANTS
         if "across" in changes:
             changes["across"] = Across(changes["across"])
+        if "skip" in changes:
+            changes["skip"] = Skip(changes["skip"])
         v = PP_VARIANTS[variant]
         PP_VARIANTS[variant] = replace(v, points=tuple(replace(p, **changes) if p.name == point else p
                                                        for p in v.points))
@@ -540,6 +542,16 @@ def _positions_agree_trivial() -> None:
     _replace_everywhere(pipeline.positions_agree, lambda res, v: [])
 
 
+def _forwarded_by_rid() -> None:
+    """PP0's value for a request lands on the same request id (not the same position)."""
+    from model.spec import pipeline
+
+    def by_rid(p, row0, values0, row, f):
+        ops = f.ops
+        return [ops.ite(pipeline.is_member(p, row0[r], ops), values0[r], pipeline.STAY) for r in range(len(row))]
+    _replace_everywhere(pipeline.forwarded, by_rid)
+
+
 PIPELINE_MUTANTS: list[Mutant] = [
     Mutant("pp-strict-per-stage", "pipeline", "strict's transfer MIN reduces over each stage's TP group only",
            _pp_point("pp-strict", "transfer_poll", across="group"), ("safety:pp_agree@pp-strict",)),
@@ -549,7 +561,7 @@ PIPELINE_MUTANTS: list[Mutant] = [
            _pp_point("pp-0.5.13", "transfer_poll", gate=None), ("induction:pp_agree_no_failure@pp-0.5.13",)),
     Mutant("pp-0.5.12-no-ring", "pipeline", "0.5.12's consensus is each stage's own (no ring intersection)",
            _pp_point("pp-0.5.12", "transfer_consensus", across="group"),
-           ("safety:pp_agree_no_failure@pp-0.5.12",)),
+           ("safety:point:transfer_consensus@pp-0.5.12",)),
     Mutant("pp-prefill-strict-buffer-veto", "pipeline", "strict prefill keeps a request without a metadata buffer after the MIN",
            _pp_point("pp-prefill-strict", "bootstrap_poll", gate=None, veto="no_buffer", veto_value=2),
            ("safety:pp_agree@pp-prefill-strict",)),
@@ -559,6 +571,29 @@ PIPELINE_MUTANTS: list[Mutant] = [
            _pp_drop_witness("group_reduction"), ("refines:pipeline@pp-0.5.12",)),
     Mutant("pp-positions-agree-trivial", "pipeline", "the spec's positions_agree never reports",
            _positions_agree_trivial, ("cex:positions_agree@pp-prefill-0.5.23",)),
+    Mutant("pp-forwarded-by-rid", "pipeline", "a later stage gets PP0's value by request id, not queue position",
+           _forwarded_by_rid, ("cex:positions_shifted@pp-prefill-0.5.23",)),
+    Mutant("pp-0.5.23-hold-max-local", "pipeline", "0.5.23's hold-flag MAX issued only where this rank holds",
+           _pp_point("pp-0.5.23", "defer_release", skip="local-flag", input="hold"),
+           ("safety:point:defer_release@pp-0.5.23",)),
+    Mutant("pp-0.5.12-empty-min-skipped", "pipeline", "0.5.12's consensus MIN skipped on an empty queue",
+           _pp_point("pp-0.5.12", "transfer_consensus", skip="empty"), ("cex:empty_min@pp-0.5.12",)),
+    Mutant("pp-0.5.12-commit-unchecked", "pipeline", "0.5.12's commit pops a request whose metadata has not landed",
+           _pp_point("pp-0.5.12", "transfer_poll", veto=None), ("induction:pp_agree_no_failure@pp-0.5.12",)),
+    Mutant("pp-0.5.12-list-kept", "pipeline", "0.5.12 keeps a request its commit held back in the round's list",
+           _pp_point("pp-0.5.12", "requeue", moves=((0, 1),)), ("cex:empty_min@pp-0.5.12",)),
+    Mutant("pp-second-min-pops-unchecked", "pipeline", "the second MIN pops every polled request, listed or not",
+           _pp_point("pp-0.5.13", "transfer_poll", moving=None), ("safety:pp_agree_landed@pp-0.5.13",)),
+    Mutant("pp-prefill-bad-intersected", "pipeline", "0.5.18's ring intersects the bad lists (no union)",
+           _pp_point("pp-prefill-0.5.18", "bootstrap_consensus", union=()),
+           ("safety:pp_agree_buffers@pp-prefill-0.5.18",)),
+    Mutant("pp-prefill-uncovered-pops", "pipeline", "0.5.18's uncovered MIN pops a WaitingForInput request too",
+           _pp_point("pp-prefill-0.5.18", "bootstrap_uncovered", moves=((0, 4), (2, 2))),
+           ("safety:pp_agree_buffers@pp-prefill-0.5.18",)),
+    Mutant("pp-prefill-pop-ignores-buffer", "pipeline", "0.5.18 pops a good request without a metadata buffer",
+           _pp_point("pp-prefill-0.5.18", "bootstrap_pop", input=None), ("induction:pp_agree@pp-prefill-0.5.18",)),
+    Mutant("pp-encoding-union-no-witness", "encoding", "unbounded ring: a bad rid with no stage failing it",
+           _pp_drop_witness("some_stage"), ("refines:pipeline@pp-prefill-0.5.18",)),
 ]
 MUTANTS += PIPELINE_MUTANTS
 

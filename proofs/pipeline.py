@@ -7,19 +7,24 @@
                     of stages, ranks per stage and requests), so by induction from the
                     initial state. induction:pp_agree where a release breaks it: the CTI
                     from the smallest exact universe.
-  safety:pp_agree_no_failure   the same with no poll Failed: proved for 0.5.12 (only
-                    the ring's Success-or-Failed "finished" breaks it), not inductive for
-                    0.5.13 on (induction:, the second, gated MIN breaks it alone).
+  safety:point:P / induction:point:P   the same for one point of a release alone, from
+                    an agreed state at any stage: where each release breaks.
+  safety:pp_agree_R / induction:pp_agree_R   pp_agree with restricted inputs
+                    (RESTRICTIONS: no poll Failed; and every metadata row landed; no
+                    metadata buffer short): which fact each release's break needs.
   cex:INV           the smallest run from the initial state breaking INV (2 stages,
                     ranks <= 2, requests <= 2, iterations <= 2), replayed and exported.
-  cex:gated_min     0.5.13 on: the smallest such run in which no poll is Failed.
+  cex:gated_min, cex:commit_veto, cex:own_poll   the smallest such run under a
+                    restriction that is not inductive (CEX_UNDER).
+  cex:empty_min     0.5.12 to 0.5.21: a rank whose queue emptied MINs a shape-0 list
+                    while a peer of its stage MINs its request (a gloo mismatch).
   cex:positions_shifted   0.5.23 prefill: the smallest run in which every stage's send
-                    is received and yet a queue position holds another request than
-                    stage 0's (its forwarded value lands on that other request).
+                    is received, no metadata buffer is short, and yet a later stage moves
+                    a request otherwise than stage 0 (it got another request's value).
   nonvacuous:pipeline   strict: a request reaches its stage on every (stage, rank) after
                     the gate held it once; exported.
-  refines:pipeline  the initial state with every poll Success, and seeded random states
-                    and inputs: the unbounded encoding, read over
+  refines:pipeline  the initial state with every poll its last value, and seeded random
+                    states and inputs: the unbounded encoding, read over
                     exactly those stages, ranks and requests, allows only the spec's
                     successor and issues at every point.
 """
@@ -30,16 +35,15 @@ from typing import Callable
 
 import z3
 
-from model.encoding.iteration import Z3F, Query, refines
+from model.encoding.iteration import Query, refines
 from model.encoding.pipeline import (PipelineUnbounded, broken_at, concrete_pp_inputs, preserves_pp,
                                      unroll_pp)
 from model.encoding.solver import Solver
 from model.encoding.vocab import Z3OPS
-from model.spec.agreement import Across, is_member
+from model.spec.agreement import Across, Point, is_member
 from model.spec.iteration import INPUTS
 from model.spec.itertrace import IterationTraceWriter
-from model.spec.pipeline import (PP_VARIANTS, PPVariant, initial_pp_stages, pipeline_violations,
-                                 positions, run_pipeline)
+from model.spec.pipeline import PP_VARIANTS, PPVariant, initial_pp_stages, pipeline_violations, run_pipeline
 from proofs.obligations import Obligation, Outcome, Settings
 from proofs.agreement import _first_sat as first_sat
 
@@ -47,13 +51,35 @@ PP, MAX_PP_RANKS, MAX_PP_REQS, MAX_PP_ITERATIONS = 2, 2, 2, 2
 CTI_UNIVERSES = ((2, 1, 1), (2, 2, 1))      # (stages, ranks per stage, requests)
 # What each released variant breaks (verified row by row by the solver).
 BREAKS: dict[str, tuple[str, ...]] = {
-    "pp-0.5.12": ("stages_agree",),
+    "pp-0.5.12": ("collectives_agree", "stages_agree"),
     "pp-0.5.13": ("stages_agree",),
+    "pp-0.5.23": ("stages_agree",),
     "pp-strict": (),
+    "pp-prefill-0.5.12": ("collectives_agree", "stages_agree"),
+    "pp-prefill-0.5.18": ("collectives_agree", "stages_agree"),
     "pp-prefill-0.5.23": ("positions_agree", "stages_agree"),
     "pp-prefill-strict": (),
 }
-NO_FAILURE_PROVED = {"pp-0.5.12": True, "pp-0.5.13": False}
+# The points that break agreement alone, from any agreed state (the others are proved).
+POINT_BREAKS: dict[str, tuple[str, ...]] = {
+    "pp-0.5.12": ("transfer_poll",), "pp-0.5.13": ("transfer_poll",), "pp-0.5.23": ("transfer_poll",),
+    "pp-prefill-0.5.12": ("bootstrap_poll",), "pp-prefill-0.5.18": ("bootstrap_uncovered", "bootstrap_pop"),
+}
+# pp_agree under a restriction of the inputs: (input, value it never takes), and per
+# variant whether it is proved; where not, the named counterexample under it.
+RESTRICTIONS: dict[str, tuple[tuple[str, int], ...]] = {
+    "no_failure": (("transfer", 0),), "landed": (("transfer", 0), ("unlanded", 1)),
+    "buffers": (("no_buffer", 1),)}
+RESTRICTED: dict[str, tuple[tuple[str, bool, str], ...]] = {
+    "pp-0.5.12": (("no_failure", False, "commit_veto"), ("landed", True, "")),
+    "pp-0.5.13": (("no_failure", False, "gated_min"), ("landed", True, "")),
+    "pp-0.5.23": (("no_failure", False, "gated_min"), ("landed", True, "")),
+    "pp-prefill-0.5.12": (("buffers", False, "own_poll"),),
+    "pp-prefill-0.5.18": (("buffers", True, ""),),
+}
+# the releases whose empty queue still MINs (a shape-0 list) and whose TP ranks' queues part
+EMPTY_MIN = ("pp-0.5.12", "pp-prefill-0.5.12", "pp-prefill-0.5.18")
+CEX_UNDER = {cex: name for rows in RESTRICTED.values() for name, _, cex in rows if cex}
 REFINE_SAMPLES, REFINE_SIZES = 2, ((1, 2), (2, 1))   # (ranks per stage, requests), 2 stages
 
 
@@ -68,33 +94,50 @@ def _first_sat(make: Callable[[tuple[int, ...] | None], Query], proof_first: boo
 
 def _preserves(ob: Obligation, st: Settings) -> Outcome:
     v = PP_VARIANTS[ob.variant]
-    no_failed = "transfer" if ob.arg == "no_failure" else None
-    q, where = _first_sat(lambda u: preserves_pp(v, st.timeout_ms, u, no_failed), ob.expected == "proved")
+    point = next((p for p in v.points if p.name == ob.arg), None)
+    excluded = RESTRICTIONS.get(ob.arg or "", ())
+    # the small universes first, whatever is expected: they are unsat in hundredths of a
+    # second where a proof follows, and a sat answer from them is a CTI at once, where the
+    # unbounded query of a broken design (a mutant's) runs to its timeout
+    q, where = _first_sat(lambda u: preserves_pp(v, st.timeout_ms, u, excluded, point), False)
     if q.result.status == "unsat":
-        return Outcome("proved", "from every agreed state, any inputs" + (", none Failed" if no_failed else "")
-                       + ": unsat for any number of stages, ranks and requests (initial state agreed: "
-                       "by induction, every iteration)")
+        scope = (f"{point.name} alone, from every agreed state" if point is not None else
+                 "from every agreed state, any inputs" + "".join(f", {x} never {n}" for x, n in excluded))
+        return Outcome("proved", scope + ": unsat for any number of stages, ranks and requests"
+                       + ("" if point is not None else " (initial state agreed: by induction, every iteration)"))
     if q.result.status == "sat":
         return Outcome("not inductive", f"CTI at {where}: {q.shown or '(no model)'}")
     return Outcome(q.result.status, q.result.reason)
 
 
+def _ring(u) -> Point:
+    return next(p for p in u.variant.points if p.across is Across.RING)
+
+
 def _cex_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
-    if ob.arg == "gated_min":          # no poll Failed in any iteration up to i
-        calm = [x != 0 for inp in u.inputs[:i + 1] for row in inp["transfer"] for x in row]
+    if ob.arg in CEX_UNDER:            # the restriction holds in every iteration up to i
+        calm = [x != value for name, value in RESTRICTIONS[CEX_UNDER[ob.arg]]
+                for inp in u.inputs[:i + 1] for row in inp[name] for x in row]
         return z3.And(*calm, broken_at(u, i, "stages_agree"))
-    if ob.arg == "shifted":            # every send met by a receive, yet a position holds another request
-        met, lands = [], []
-        for p, before, _, issued, _ in u.steps[i]:
+    if ob.arg == "empty_min":          # a rank MINs an empty list while a peer of its stage MINs more
+        ring = _ring(u)
+        _, before, _, issued, shapes = next(x for x in u.steps[i] if x[0] is ring)
+        t = u.ranks
+        return z3.Or([z3.And(issued[k], issued[j], shapes[k] == 0, shapes[j] > 0)
+                      for k in range(u.pp * t) for j in range(u.pp * t) if k != j and k // t == j // t]
+                     or [z3.BoolVal(False)])
+    if ob.arg == "shifted":            # every send received, no buffer short, yet a request both hold
+        met, lands = [], []            # moves on stage 1 otherwise than on stage 0 (another's value)
+        for p, before, after, issued, _ in u.steps[i]:
             if p.across is not Across.PP0:
                 continue
             t = u.ranks
             for k in range(t, u.pp * t):
                 met.append(issued[k] == issued[k - t])
-                pos, pos0 = positions(p, before[k], Z3F), positions(p, before[k % t], Z3F)
-                lands += [z3.And(is_member(p, before[k][r], Z3OPS), is_member(p, before[k % t][r0], Z3OPS),
-                                 pos[r] == pos0[r0]) for r in range(u.reqs) for r0 in range(u.reqs) if r != r0]
-        return z3.And(*met, z3.Or(lands) if lands else z3.BoolVal(False))
+                lands += [z3.And(is_member(p, before[k][r], Z3OPS), before[k][r] == before[k % t][r],
+                                 after[k][r] != after[k % t][r]) for r in range(u.reqs)]
+        calm = [x == 0 for row in u.inputs[i]["no_buffer"] for x in row]
+        return z3.And(*met, *calm, z3.Or(lands) if lands else z3.BoolVal(False))
     return broken_at(u, i, ob.arg)
 
 
@@ -119,7 +162,11 @@ def _witness_goal(u, i: int, ob: Obligation) -> z3.BoolRef:
 
 def _search(ob: Obligation, st: Settings, goal: Callable) -> Outcome:
     v = PP_VARIANTS[ob.variant]
+    # collectives_agree compares the TP ranks of one stage: one rank a stage never breaks it
+    least = 2 if ob.arg in ("collectives_agree", "empty_min") else 1
     for ranks, reqs in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        if ranks < least:
+            continue
         u = unroll_pp(v, PP, ranks, reqs, MAX_PP_ITERATIONS)
         for i in range(MAX_PP_ITERATIONS):
             s = Solver(st.timeout_ms)
@@ -148,7 +195,8 @@ def _export(ob: Obligation, st: Settings, v: PPVariant, ranks: int, reqs: int, i
             w.iteration(i, inp, res)
             stages = res.stages
         found = pipeline_violations(res, v)
-        want = {"gated_min": "stages_agree", "shifted": "positions_agree"}.get(ob.arg, ob.arg)
+        want = ("stages_agree" if ob.arg in CEX_UNDER else
+                {"shifted": "positions_agree", "empty_min": "collectives_agree"}.get(ob.arg, ob.arg))
         claim = [x for x in found if x.invariant == want]
         if ob.expected == "counterexample":
             if not claim:
@@ -208,15 +256,20 @@ def pipeline_obligations() -> list[Obligation]:
             out.append(Obligation("induction:pp_agree" if broken else "safety:pp_agree", name,
                                   "not inductive" if broken else "proved", True, _preserves))
             out.append(Obligation("refines:pipeline", name, "proved", False, _refines))
+            if broken:           # where each release breaks: every point alone
+                for p in v.points:
+                    bad = p.name in POINT_BREAKS[name]
+                    out.append(Obligation(f"{'induction' if bad else 'safety'}:point:{p.name}", name,
+                                          "not inductive" if bad else "proved", True, _preserves, p.name))
         for inv in broken:
             out.append(Obligation(f"cex:{inv}", name, "counterexample", False, _counterexample, inv))
-        if name in NO_FAILURE_PROVED:
-            proved = NO_FAILURE_PROVED[name]
-            out.append(Obligation(f"{'safety' if proved else 'induction'}:pp_agree_no_failure", name,
-                                  "proved" if proved else "not inductive", True, _preserves, "no_failure"))
-            if not proved:
-                out.append(Obligation("cex:gated_min", name, "counterexample", False, _counterexample,
-                                      "gated_min"))
+        for restriction, proved, cex in RESTRICTED.get(name, ()):
+            out.append(Obligation(f"{'safety' if proved else 'induction'}:pp_agree_{restriction}", name,
+                                  "proved" if proved else "not inductive", True, _preserves, restriction))
+            if cex:
+                out.append(Obligation(f"cex:{cex}", name, "counterexample", False, _counterexample, cex))
+        if name in EMPTY_MIN:
+            out.append(Obligation("cex:empty_min", name, "counterexample", False, _counterexample, "empty_min"))
         if "positions_agree" in broken:
             out.append(Obligation("cex:positions_shifted", name, "counterexample", False, _counterexample,
                                   "shifted"))

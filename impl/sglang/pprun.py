@@ -13,8 +13,10 @@ gated from 0.5.13), and the P2P helpers ``_pp_send_pyobj_to_next_stage`` /
 stage) over fakes of the primitives they call (``point_to_point_pyobj``,
 ``broadcast_pyobj`` / ``attn_cp_tp_broadcast_pyobj``: ``Ring``, every op recorded, a
 missing message a ``Hang`` after the timeout). Read only: ``event_loop_pp_disagg_decode``
-(the microbatch loop; the driver ``_stage_body`` calls those functions in its order for
-one microbatch). 0.5.23 prefill: ``pop_bootstrapped`` with ``pp_size`` 2 runs whole
+(the microbatch loop; the driver ``stage_body`` calls those functions in its order for
+one microbatch; the prefill loop's bootstrap ring the same way). Prefill
+(impl/sglang/ppprefill.py): 0.5.12 to 0.5.21's bootstrap ring and ``pop_bootstrapped``
+with its consensus; 0.5.23's ``pop_bootstrapped`` with ``pp_size`` 2 whole
 (``poll_and_all_reduce_prefill_pp``, ``pp_sync_polls``), the PP group's
 ``send_object`` / ``recv_object`` faked by ``Ring``.
 
@@ -74,6 +76,8 @@ def fixed_pp_scenarios() -> list[PPScenario]:
     return [
         pp_scenario("all-success", [[S, S]] * 4),
         pp_scenario("one-transferring", [[S, S], [S, T], [S, S], [S, S]]),   # r1 out of the ring
+        # nothing finished: the ring's list is empty, pop_transferred still MINs its queue
+        pp_scenario("all-transferring", [[T]] * 4),
         pp_scenario("all-failed", [[F]] * 4),
         # induction:pp_agree's universe: stage 0 Success, stage 1 Failed (the ring's "finished")
         pp_scenario("stage-split-failure", [[S], [S], [F], [F]]),
@@ -183,11 +187,18 @@ def load_pp(version: str, source: str | None = None) -> PPLoaded:
     fakes._Recording._recorder = recorder
     decode = importlib.import_module("sglang.srt.disaggregation.decode")
     utils = importlib.import_module("sglang.srt.disaggregation.utils")
-    mixin = _import_without_tqdm(MIXIN)
-    for m in (decode, utils, mixin):
+    for m in (decode, utils):
         m.dist = tg.FakeDist()
+    return PPLoaded(version, decode, utils, load_mixin(), recorder, args, parallel)
+
+
+def load_mixin() -> Any:
+    """The loaded release's scheduler PP mixin (``stubs.REAL_EXTRA`` holding MIXIN when
+    the stub layer was installed), its collectives and P2P helpers on the fakes."""
+    mixin = _import_without_tqdm(MIXIN)
+    mixin.dist = tg.FakeDist()
     _install_p2p(mixin)
-    return PPLoaded(version, decode, utils, mixin, recorder, args, parallel)
+    return mixin
 
 
 def _import_without_tqdm(name: str) -> Any:
@@ -244,15 +255,21 @@ def _stage_rank(rel: PPLoaded, sc: PPScenario, s: int, k: int, hub: tg.Hub, ring
             recv.landed |= {"room", "payload"}
         queue.add(d.DecodeRequest(req=req, kv_receiver=recv, metadata_buffer_index=slot))
         reqs.append(req)
-    cls = type("PPScheduler", (rel.mixin.SchedulerPPMixin,), {"__getattr__": _fallback})
+    return mixin_of(rel.mixin, s, k, sc.pp, sc.ranks, group, disagg_decode_transfer_queue=queue), reqs
+
+
+def mixin_of(mixin: Any, s: int, k: int, pp: int, ranks: int, group: tg.Group, **queues: Any) -> Any:
+    """The release's ``SchedulerPPMixin`` as (stage s, TP rank k) with these queues: its
+    TP group ``group``, its PP group and parallel state; any other attribute a recorded stub."""
+    cls = type("PPScheduler", (mixin.SchedulerPPMixin,), {"__getattr__": _fallback})
     m = object.__new__(cls)
     m.__dict__.update(
-        pp_group=_PPGroup(s, sc.pp), pp_rank=s, pp_size=sc.pp, tp_rank=k, tp_size=sc.ranks,
-        disagg_decode_transfer_queue=queue, attn_tp_cpu_group=group, tp_cpu_group=group,
+        pp_group=_PPGroup(s, pp), pp_rank=s, pp_size=pp, tp_rank=k, tp_size=ranks,
+        attn_tp_cpu_group=group, tp_cpu_group=group,
         attn_cp_cpu_group=tg.Group(None, 0, 1), enable_hisparse=False, waiting_queue=[],
-        attn_tp_rank=k, attn_cp_rank=0, attn_dp_rank=0, attn_tp_size=sc.ranks, attn_cp_size=1,
-        attn_tp_group=_TPGroup(s, k, sc.ranks), ps=_parallel_of(s, k, sc.pp, sc.ranks))
-    return m, reqs
+        attn_tp_rank=k, attn_cp_rank=0, attn_dp_rank=0, attn_tp_size=ranks, attn_cp_size=1,
+        attn_tp_group=_TPGroup(s, k, ranks), ps=_parallel_of(s, k, pp, ranks), **queues)
+    return m
 
 
 class _TPGroup:
@@ -304,22 +321,30 @@ def _install_p2p(mixin: Any) -> None:
     mixin.get_parallel = _parallel
 
 
-def _stage_body(m: Any, last: bool) -> list:
-    """One microbatch of event_loop_pp_disagg_decode's transfer part, in its order:
-    the stage's list (recv + intersect on a later stage), sent on (not the last stage);
-    the last stage sends its list round the ring as the release list; each stage
-    receives the release list, pops with it, and a middle stage forwards it."""
-    transferred = m._pp_pd_get_decode_transferred_ids()
+# (the stage's list, the consensus sent round the ring, the queue popped with it)
+DECODE_RING = ("_pp_pd_get_decode_transferred_ids", "_pp_pd_send_consensus_release_ids",
+               "process_decode_transfer_queue")
+PREFILL_RING = ("_pp_pd_get_bootstrapped_ids", "_pp_pd_send_consensus_bootstrapped_ids",
+                "process_bootstrapped_queue")
+
+
+def stage_body(m: Any, last: bool, ring: tuple[str, str, str] = DECODE_RING) -> Any:
+    """One microbatch of the PP disagg event loop's consensus for one queue, in its
+    order: the stage's list (recv + intersect on a later stage), sent on (not the last
+    stage); the last stage sends its list round the ring as the consensus; each stage
+    receives the consensus, pops its queue with it, and a middle stage forwards it."""
+    get, send_consensus, process = (getattr(m, name) for name in ring)
+    mine = get()
     if not last:
-        m._pp_send_pyobj_to_next_stage(transferred, async_send=True)
-    tmbs = [transferred]
+        m._pp_send_pyobj_to_next_stage(mine, async_send=True)
+    mbs = [mine]
     if last:
-        m._pp_pd_send_consensus_release_ids(tmbs, 0, None, transferred)
-    release = m._pp_recv_pyobj_from_prev_stage()
-    m.process_decode_transfer_queue(release)
+        send_consensus(mbs, 0, None, mine)
+    consensus = m._pp_recv_pyobj_from_prev_stage()
+    process(consensus)
     if not last:                      # the next microbatch forwards it down the stages
-        m._pp_pd_send_consensus_release_ids(tmbs, 0, release, transferred)
-    return release
+        send_consensus(mbs, 0, consensus, mine)
+    return consensus
 
 
 @dataclass
@@ -337,42 +362,52 @@ def _places(m: Any, reqs: list) -> list[int]:
     return [int(Q.PREBUILT if id(r) in popped else Q.TRANSFER if id(r) in held else Q.GONE) for r in reqs]
 
 
+def run_rows(bodies: Sequence[Any], hubs: list[tg.Hub], ranks: int, timeout_s: float
+             ) -> tuple[list[Any], list[list[tuple[str, int]]], list[str | None], bool]:
+    """One thread per (stage, rank) body (row s*ranks + k); each stage's hub sees only
+    its own ranks finish. Returns each body's value, the TP collectives per row, each
+    row's error (one line) and whether a row hung or mismatched."""
+    outs: list[Any] = [None] * len(bodies)
+    errors: list[str | None] = [None] * len(bodies)
+
+    def body(row: int) -> None:
+        s, k = divmod(row, ranks)
+        try:
+            outs[row] = bodies[row]()
+        except Exception as exc:
+            errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            hubs[s].finish(k, errors[row])
+
+    tg.join_rows([lambda r=r: body(r) for r in range(len(bodies))], timeout_s, ranks, errors)
+    records = [[(op, shape[0] if shape else 0) for op, shape in rec] for h in hubs for rec in h.records]
+    hung = any(e and ("Hang" in e or "Mismatch" in e or "still running" in e) for e in errors)
+    return outs, records, errors, hung
+
+
+def in_ring(ring: Ring, s: int, k: int, pp: int, ranks: int, body: Any) -> Any:
+    """``body`` run as (stage s, TP rank k): what the fake P2P primitives answer for."""
+    _WHERE.ring, _WHERE.s, _WHERE.k, _WHERE.pp, _WHERE.ranks = ring, s, k, pp, ranks
+    return body()
+
+
 def run_pp_release(rel: PPLoaded, sc: PPScenario, timeout_s: float = 2.0) -> PPRun:
     ring = Ring(sc.pp, sc.ranks, timeout_s)
     hubs = [tg.Hub(sc.ranks, timeout_s) for _ in range(sc.pp)]
     built = [_stage_rank(rel, sc, s, k, hubs[s], ring) for s in range(sc.pp) for k in range(sc.ranks)]
-    # one thread per (stage, rank); each stage's hub sees only its own ranks finish
-    errors: list[str | None] = [None] * len(built)
-
-    def body(row: int) -> Any:
-        s, k = divmod(row, sc.ranks)
-        _WHERE.ring, _WHERE.s, _WHERE.k, _WHERE.pp, _WHERE.ranks = ring, s, k, sc.pp, sc.ranks
-        try:
-            return _stage_body(built[row][0], s == sc.pp - 1)
-        except Exception as exc:
-            errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            raise
-        finally:
-            hubs[s].finish(k, errors[row])
-
-    tg.join_rows([lambda r=r: _quiet(body, r) for r in range(len(built))], timeout_s, sc.ranks, errors)
-    records = [[(op, shape[0] if shape else 0) for op, shape in rec] for h in hubs for rec in h.records]
-    hung = any(e and ("Hang" in e or "Mismatch" in e or "still running" in e) for e in errors)
+    bodies = [lambda row=row: in_ring(ring, *divmod(row, sc.ranks), sc.pp, sc.ranks,
+                                      lambda: stage_body(built[row][0], row // sc.ranks == sc.pp - 1))
+              for row in range(len(built))]
+    _, records, errors, hung = run_rows(bodies, hubs, sc.ranks, timeout_s)
     return PPRun(records, ring.records, [_places(m, reqs) for m, reqs in built], errors, hung)
-
-
-def _quiet(body: Any, row: int) -> None:
-    try:
-        body(row)
-    except Exception:
-        pass                 # recorded in errors
 
 
 # -- the comparison ---------------------------------------------------------------------
 def compare_pp(sc: Any, variant: str, run: PPRun) -> dict:
     """The verdict of the release's run against ``variant``'s run_pipeline on the
-    scenario (a PPScenario, or ppprefill's PPPrefillScenario with its own ``stages``). Shapes are compared at the consensus MIN only: the second MIN polls the
-    whole queue where the spec counts the checked requests (docs/PROOFS.md, PP limits)."""
+    scenario (a PPScenario, or ppprefill's PPPrefillScenario with its own ``stages``):
+    per (stage, rank) every TP collective's op and shape (a receive's shape is not
+    recorded), then every request's place."""
     v = PP_VARIANTS[variant]
     inputs = {n: sc.inputs[n] for n in v.inputs()}
     check_pp_inputs(v, inputs, sc.pp, sc.ranks, sc.requests)
@@ -390,7 +425,7 @@ def compare_pp(sc: Any, variant: str, run: PPRun) -> dict:
             a = spec[i] if i < len(spec) else None
             b = rec[i] if i < len(rec) else None
             same = a is not None and b is not None and a[1] == b[0] and (
-                a[0] == "transfer_poll" or a[1] == "pp_recv" or a[2] == b[1])
+                a[1] == "pp_recv" or a[2] == b[1])
             if not same:
                 sa = f"{a[0]} {a[1].upper()} shape {a[2]}" if a else "nothing"
                 sb = f"{b[0].upper()} shape {b[1]}" if b else "nothing"
@@ -409,7 +444,7 @@ def compare_pp(sc: Any, variant: str, run: PPRun) -> dict:
         for r in range(sc.requests):
             if run.places[k][r] != res.stages[k][r]:
                 return {**row, "verdict": "differs", "detail": f"{where(k)} request {r}: spec "
-                        f"{Q(res.stages[k][r]).name}, release {Q(run.places[k][r]).name}"}
+                        f"{v.stages(res.stages[k][r]).name}, release {v.stages(run.places[k][r]).name}"}
     seen = {"collectives_agree": any(rec != run.records[(k // sc.ranks) * sc.ranks]
                                      for k, rec in enumerate(run.records)),
             "stages_agree": any(p != run.places[0] for p in run.places),
@@ -481,9 +516,12 @@ def run_pp(args: Any) -> int:
     try:
         timeout = min(args.collective_timeout, 2.0)
         rows = check_pp(versions, fixed_pp_scenarios(), variant=args.variant, timeout_s=timeout)
-        if "0.5.23" in versions and args.variant is None:     # the one release forwarding by position
-            from impl.sglang.ppprefill import check_pp_prefill, prefill_pp_scenarios
-            rows += check_pp_prefill(prefill_pp_scenarios(), timeout_s=timeout)
+        if args.variant is None:        # prefill: the bootstrap ring, or 0.5.23's forwarding by position
+            from impl.sglang import ppprefill
+            ring = [v for v in versions if v != "0.5.23"]
+            rows += ppprefill.check_ring_prefill(ring, ppprefill.ring_prefill_scenarios(), timeout_s=timeout)
+            if "0.5.23" in versions:
+                rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), timeout_s=timeout)
     except Exception as exc:          # the harness itself failed: one line
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -20,7 +20,9 @@ with a ``halt`` walks its members in queue order (the request order) and stops a
 first whose value is ``halt`` (and, where the point has a veto, which the veto keeps):
 every later member stays where it is (SGLang's FIFO ``break``s in ``pop_preallocated``
 and 0.5.12's ``pop_bootstrapped``). Whether an earlier member halted is a fold over
-requests, which the caller supplies as it supplies the reduction over ranks.
+requests, which the caller supplies as it supplies the reduction over ranks. Where a
+queue's poll covers more than the requests it acts on (a PP stage's second MIN polls its
+whole queue and pops only the checked rids), ``moving`` names the member stages that move.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ class Point:
     shape: int | None = None            # a fixed vector length (else: the member count)
     across: Across = Across.GROUP       # PP: whose values the stages act on
     halt: int | None = None             # a FIFO ``break``: the first member with this value stops the walk
+    moving: tuple[int, ...] | None = None   # the members that move (None: all; the rest only poll)
+    union: tuple[int, ...] = ()         # RING: values one stage's list carries to all (a union: bad rids)
 
     @property
     def collective(self) -> bool:
@@ -166,4 +170,7 @@ def next_stage(p: Point, issued: Any, stage: Any, reduced: Any, veto: Any, ops: 
         out = ops.ite(ops.and_(ops.eq(veto, 1), ops.eq(reduced, p.veto_value)), stage, out)
     if halted is not None:
         out = ops.ite(halted, stage, out)
-    return ops.ite(ops.and_(acts(p, issued, ops), is_member(p, stage, ops)), out, stage)
+    held = is_member(p, stage, ops)
+    if p.moving is not None:
+        held = ops.and_(held, any_of(ops, *[ops.eq(stage, int(m)) for m in p.moving]))
+    return ops.ite(ops.and_(acts(p, issued, ops), held), out, stage)

@@ -7,8 +7,9 @@ Each PP stage is one TP group running the iteration's ``Point`` mechanism
 * ``GROUP``: its own stage's TP collective (apply_point over that stage's ranks);
 * ``ALL``: one collective over every (stage, rank) (the strict designs);
 * ``RING``: each stage's TP collective, then SGLang's PP ring (``_pp_pd_get_decode_
-  transferred_ids``): a request moves only where every stage's value moves it, an
-  intersection by rid; each stage then applies its own value;
+  transferred_ids``, ``_pp_pd_get_bootstrapped_ids``): a request moves only where every
+  stage's value moves it, an intersection by rid, and each stage applies its own value;
+  a ``union`` value (a bad rid) that any stage's value is goes to every stage first;
 * ``PP0``: stage 0's TP collective, forwarded to the later stages as a list that each
   zips with its own queue (0.5.23 prefill ``pp_sync_polls``): by position, not by rid.
 
@@ -27,19 +28,27 @@ The invariants, by name (PP_NAMES):
   the value of the request there (else it lands on another request);
 * ``stages_agree``: every (stage, rank) holds every request at the same stage.
 
-Release facts (from the wheels; docs/PROOFS.md, "Pipeline parallel"): decode's
-transferred-rids ring is the same code in 0.5.12 to 0.5.23: stage s TP-MINs its
-(ungated) polls, keeps Success and Failed alike as "finished", intersects with the
-previous stage's list; the last stage's list goes round the ring and each stage calls
-``pop_transferred(rids)``, which polls and TP-MINs again (the second MIN) and acts on
-its own result. 0.5.12's second MIN is ungated; from 0.5.13 it is the metadata-gated
-one (``_poll_with_metadata_gate``: a rank whose metadata row has not landed caps
-Success at Transferring before the MIN), the first is not. Prefill's bootstrap poll
-forwards PP0's list by position only in 0.5.23 (``poll_and_all_reduce_prefill_pp``).
+Release facts (from the wheels; docs/PROOFS.md, "Pipeline parallel", with line numbers):
+
+* decode, every release: each stage TP-MINs its (ungated) transfer polls (``get_rids``),
+  keeps Success and Failed alike as "finished" and intersects with the previous stage's
+  list; the last stage's list goes round the ring and each stage calls
+  ``pop_transferred(rids)``, which polls and TP-MINs its whole queue again (the second
+  MIN) and pops the listed rids on its own result. Up to 0.5.21 the first MIN is issued
+  on an empty queue too (a shape-0 tensor); 0.5.23's ``all_reduce_flags`` skips it.
+  0.5.12's second MIN is ungated and its commit keeps a request whose metadata row has
+  not landed on this rank (a rank-local ``continue``); from 0.5.13 the second MIN is the
+  metadata-gated one. 0.5.23 then MAX-reduces its failed requests' hold flags.
+* prefill bootstrap, 0.5.12 to 0.5.21: the same ring by rid (``_pp_pd_get_bootstrapped_ids``),
+  good = WaitingForInput on every stage (an intersection), bad = Failed on some stage
+  (a union, ``union``). 0.5.12 and 0.5.13 then poll and TP-MIN the whole queue again and
+  act on their own value for the listed rids; 0.5.18 to 0.5.21 apply the consensus
+  (``poll_and_all_reduce_pp``, #31869), TP-MINing only the unlisted requests for a
+  Failed. 0.5.23 forwards PP0's polls by position (``poll_and_all_reduce_prefill_pp``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Sequence
 
@@ -53,25 +62,74 @@ PP_NAMES = ("collectives_agree", "positions_agree", "stages_agree")
 
 
 class QStage(IntEnum):
-    """A request's place in a PP decode stage's transfer queue."""
+    """A request's place on a PP decode stage's rank."""
     TRANSFER = 0     # in DecodeTransferQueue
     CHECKED = 1      # in this round's consensus list (the rids pop_transferred checks)
     PREBUILT = 2     # transferred, for the next prebuilt batch
-    GONE = 3         # aborted
+    GONE = 3         # aborted (0.5.23: its slot held or freed, out of the queue either way)
+    FAILED = 4       # 0.5.23: the second MIN said Failed; the hold flags' MAX comes next
 
 
-Q = QStage
-# the first MIN (get_rids): Success and Failed both count as finished
-CONSENSUS = Point("transfer_consensus", Op.MIN, (Q.TRANSFER,), ((0, Q.CHECKED), (4, Q.CHECKED)),
-                  Skip.EMPTY, input="transfer", across=Across.RING)
-_POP_MOVES = ((0, Q.GONE), (3, Q.TRANSFER), (4, Q.PREBUILT))
-# the second MIN (pop_transferred over the checked rids): the same polls, this stage's ranks
-POP = Point("transfer_poll", Op.MIN, (Q.CHECKED,), _POP_MOVES, Skip.EMPTY, input="transfer")
-POP_GATED = Point("transfer_poll", Op.MIN, (Q.CHECKED,), _POP_MOVES, Skip.EMPTY, input="transfer",
-                  gate="unlanded", gate_value=3)
+class BStage(IntEnum):
+    """A request's place on a PP prefill stage's rank under the bootstrap ring (0.5.12 to
+    0.5.21); the numbers of PStage, and CHECKED."""
+    ABSENT = 0
+    BOOTSTRAP = 1    # in PrefillBootstrapQueue
+    WAITING = 2      # bootstrapped, in the waiting queue
+    GONE = 4         # failed bootstrap, aborted
+    CHECKED = 5      # in this round's consensus lists (0.5.12, 0.5.13: good or bad; 0.5.18 on: good)
+
+
+Q, B = QStage, BStage
+
+
+def consensus(p: Point, skip: Skip) -> Point:
+    """A queue's PP ring: each stage's ``get_rids`` TP-MIN (issued on an empty queue up to
+    0.5.21: ``poll_and_all_reduce`` has no empty test; skipped from 0.5.23), then the
+    lists intersected (``union``: united) by rid round the stages."""
+    return replace(p, skip=skip, across=Across.RING)
+
+
+# decode: Success and Failed both count as finished (one list, an intersection)
+_FINISHED = Point("transfer_consensus", Op.MIN, (Q.TRANSFER,), ((0, Q.CHECKED), (4, Q.CHECKED)), input="transfer")
+
+
+def pop(failed: int = Q.GONE, **local: Any) -> Point:
+    """``pop_transferred(rids)``: this stage's TP-MIN over its whole queue (an early return
+    only on an empty one), the checked rids moved on that value."""
+    return Point("transfer_poll", Op.MIN, (Q.TRANSFER, Q.CHECKED), ((0, failed), (3, Q.TRANSFER), (4, Q.PREBUILT)),
+                 Skip.EMPTY, input="transfer", moving=(Q.CHECKED,), **local)
+
+
+# 0.5.12: ungated, and _commit_transfer_to_req keeps a request whose room has not landed here
+POP_COMMIT = pop(veto="unlanded", veto_value=4)
+POP_GATED = pop(gate="unlanded", gate_value=3)
+# the round's list is dropped: a checked request kept by the commit is back in the queue
+REQUEUE = Point("requeue", Op.LOCAL, (Q.CHECKED,), ((0, Q.TRANSFER),))
+# 0.5.23: the failed requests' hold flags MAX-reduced (all_reduce_flags skips an empty list);
+# held or freed, the request leaves the queue
+HOLD_MAX = Point("defer_release", Op.MAX, (Q.FAILED,), ((0, Q.GONE),), Skip.EMPTY)
 # strict: one gated MIN over every (stage, rank), its value applied as is (no second poll)
 STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (Q.TRANSFER,), ((0, Q.GONE), (4, Q.PREBUILT)), Skip.EMPTY,
                         input="transfer", gate="unlanded", gate_value=3, across=Across.ALL)
+
+# prefill bootstrap ring (0.5.12 to 0.5.21): good = WaitingForInput on every stage, bad =
+# Failed on any (the union wins)
+_BOOT_RING = Point("bootstrap_consensus", Op.MIN, (B.BOOTSTRAP,), ((0, B.CHECKED), (2, B.CHECKED)),
+                   input="bootstrap", union=(0,))
+# 0.5.12, 0.5.13: pop_bootstrapped(rids_to_check) polls and TP-MINs the whole queue, acts on
+# its own value for the listed rids, keeps one it has no metadata buffer for
+BOOT_POP_OWN = Point("bootstrap_poll", Op.MIN, (B.BOOTSTRAP, B.CHECKED), ((0, B.GONE), (2, B.WAITING)),
+                     Skip.EMPTY, input="bootstrap", veto="no_buffer", veto_value=2, moving=(B.CHECKED,))
+BOOT_REQUEUE = Point("requeue", Op.LOCAL, (B.CHECKED,), ((0, B.BOOTSTRAP),))
+# 0.5.18 to 0.5.21 (#31869): bad leaves at once; the unlisted are TP-MINed (``if uncovered``)
+# for a Failed; good is popped unless this rank has no metadata buffer for it
+_BOOT_RING_APPLIED = Point("bootstrap_consensus", Op.MIN, (B.BOOTSTRAP,), ((0, B.GONE), (2, B.CHECKED)),
+                           input="bootstrap", union=(0,))
+BOOT_UNCOVERED = Point("bootstrap_uncovered", Op.MIN, (B.BOOTSTRAP,), ((0, B.GONE),), Skip.EMPTY,
+                       input="bootstrap")
+BOOT_POP_AGREED = Point("bootstrap_pop", Op.LOCAL, (B.CHECKED,), ((0, B.WAITING), (1, B.BOOTSTRAP)),
+                        input="no_buffer")
 _BOOTSTRAP_MOVES = ((0, PStage.GONE), (2, PStage.WAITING))
 PP0_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (PStage.BOOTSTRAP,), _BOOTSTRAP_MOVES, Skip.EMPTY,
                       input="bootstrap", veto="no_buffer", veto_value=2, across=Across.PP0)
@@ -95,11 +153,20 @@ class PPVariant:
 
 
 PP_VARIANTS: dict[str, PPVariant] = {v.name: v for v in (
-    PPVariant("pp-0.5.12", "SGLang 0.5.12 (decode, pp > 1)", (CONSENSUS, POP), QStage, Q.TRANSFER, Q.PREBUILT,
-              (Q.CHECKED,)),
-    PPVariant("pp-0.5.13", "SGLang 0.5.13 to 0.5.23 (decode, pp > 1)", (CONSENSUS, POP_GATED), QStage,
-              Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
+    PPVariant("pp-0.5.12", "SGLang 0.5.12 (decode, pp > 1)",
+              (consensus(_FINISHED, Skip.NEVER), POP_COMMIT, REQUEUE), QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
+    PPVariant("pp-0.5.13", "SGLang 0.5.13 to 0.5.21 (decode, pp > 1)",
+              (consensus(_FINISHED, Skip.NEVER), POP_GATED), QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
+    PPVariant("pp-0.5.23", "SGLang 0.5.23 (decode, pp > 1)",
+              (consensus(_FINISHED, Skip.EMPTY), pop(Q.FAILED, gate="unlanded", gate_value=3), HOLD_MAX),
+              QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED, Q.FAILED)),
     PPVariant("pp-strict", "this project (decode, pp > 1)", (STRICT_TRANSFER,), QStage, Q.TRANSFER, Q.PREBUILT),
+    PPVariant("pp-prefill-0.5.12", "SGLang 0.5.12 and 0.5.13 (prefill, pp > 1)",
+              (consensus(_BOOT_RING, Skip.NEVER), BOOT_POP_OWN, BOOT_REQUEUE), BStage, B.BOOTSTRAP, B.WAITING,
+              (B.CHECKED,)),
+    PPVariant("pp-prefill-0.5.18", "SGLang 0.5.18 to 0.5.21 (prefill, pp > 1)",
+              (consensus(_BOOT_RING_APPLIED, Skip.NEVER), BOOT_UNCOVERED, BOOT_POP_AGREED), BStage, B.BOOTSTRAP,
+              B.WAITING, (B.CHECKED,)),
     PPVariant("pp-prefill-0.5.23", "SGLang 0.5.23 (prefill, pp > 1)", (PP0_BOOTSTRAP,), PStage,
               PStage.BOOTSTRAP, PStage.WAITING),
     PPVariant("pp-prefill-strict", "this project (prefill, pp > 1)", (STRICT_BOOTSTRAP,), PStage,
@@ -153,6 +220,17 @@ def forwarded(p: Point, row0: Sequence[Any], values0: Sequence[Any], row: Sequen
     return out
 
 
+def ring_value(p: Point, column: Sequence[Any], s: int, ops: Any) -> Any:
+    """What stage s acts on after the ring, given each stage's TP-MIN for one request: a
+    ``union`` value any stage carries (the first), else its own value where every stage's
+    moves the request (the intersection), else STAY."""
+    moved = lambda x: any_of(ops, *[ops.eq(x, key) for key, _ in p.moves])
+    out = ops.ite(ops.and_(*[moved(x) for x in column]), column[s], STAY)
+    for u in reversed(p.union):
+        out = ops.ite(any_of(ops, *[ops.eq(x, u) for x in column]), u, out)
+    return out
+
+
 def apply_pp_point(p: Point, pp: int, stages: Sequence[Sequence[Any]], inputs: Inputs, f: Folds = PYF
                    ) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...], list[Any], list[str]]:
     """One point on every (stage, rank): next stages, who issued, shapes, the op recorded."""
@@ -164,11 +242,7 @@ def apply_pp_point(p: Point, pp: int, stages: Sequence[Sequence[Any]], inputs: I
     vals = [point_values(p, rows, inp, f) for rows, inp in groups]
     ops_used = [p.op.value] * len(stages)
     if p.across is Across.RING:
-        keys = [value for value, _ in p.moves]
-        moved = lambda x: any_of(ops, *[ops.eq(x, key) for key in keys])
-        agreed = [[ops.and_(*[moved(vals[s][2][k][r]) for s in range(pp)]) for r in range(len(stages[0]))]
-                  for k in range(t)]
-        values = [[[ops.ite(agreed[k][r], vals[s][2][k][r], STAY) for r in range(len(stages[0]))]
+        values = [[[ring_value(p, [vals[x][2][k][r] for x in range(pp)], s, ops) for r in range(len(stages[0]))]
                    for k in range(t)] for s in range(pp)]
         issued_by = [vals[s][0] for s in range(pp)]
     elif p.across is Across.PP0:

@@ -1,15 +1,27 @@
-"""pdgate conform --pp: every pinned release's own PP decode transfer consensus (the
-scheduler PP mixin's ring + pop_transferred) on 2 stages x 2 thread ranks against its
-pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED order
-(m: matches, d: differs, r:I: reproduces I):
+"""pdgate conform --pp: every pinned release's own PP consensus code (the scheduler PP
+mixin's rings + pop_transferred / pop_bootstrapped) on 2 stages x 2 thread ranks against
+its pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED order
+(m: matches, r:I: reproduces I; no row differs):
 
 | scenario | verdicts | why |
 |---|---|---|
-| all-success, one-transferring | m x6 | every stage's ring and second MIN agree |
-| all-failed | m x5, d | 0.5.23's pop_transferred adds a MAX over its failed requests' hold flags (not in pp-0.5.13) |
-| stage-split-failure | r:stages_agree x5, d | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts; 0.5.23 adds its MAX first |
-| queue-split | d x5, r:collectives_agree | one TP rank of stage 0 without the request: up to 0.5.21 it still MINs an empty poll list (shape 0, a gloo mismatch) where the spec skips; 0.5.23 skips, so its peer hangs |
-| gated-second-min | d, r:stages_agree x5 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12 commits on stage 1 rank 0 and keeps it on rank 1 (its commit checks the metadata row, rank-local; pp-0.5.12 does not read it) |
+| all-success, one-transferring, all-transferring, all-failed | m x6 | every stage's ring and second MIN agree (0.5.23: with its hold-flag MAX after a Failed; all-transferring: an empty list, the second MIN still over the queue) |
+| stage-split-failure | r:stages_agree x6 | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts |
+| gated-second-min | r:stages_agree x6 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12: its commit keeps the request on the rank whose metadata row has not landed |
+| queue-split | r:collectives_agree x6 | one TP rank of stage 0 without the request: up to 0.5.21 it MINs an empty list (shape 0, a gloo mismatch); 0.5.23 skips, so its peer hangs |
+
+Each row that differed before the model was corrected has a sibling that still differs:
+the same run against the variant that lacks the mechanism (test_the_old_modelling_differs).
+
+Prefill, 0.5.12 to 0.5.21 (the bootstrap ring: good intersected, bad united; then
+``pop_bootstrapped`` with the consensus), against pp-prefill-0.5.12 / pp-prefill-0.5.18:
+
+| scenario | 0.5.12, 0.5.13 | 0.5.18 to 0.5.21 |
+|---|---|---|
+| ring-ready, ring-stage-bootstrapping | m | m |
+| ring-stage-fails (stage 1 Failed) | r:stages_agree (each stage pops on its own second poll) | m (the consensus applied, #31869) |
+| ring-no-buffer (stage 1 rank 1 has none) | r:stages_agree | r:stages_agree |
+| ring-queue-split | r:collectives_agree (a shape-0 MIN) | r:collectives_agree |
 
 0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the stages,
 zipped by position), against pp-prefill-0.5.23:
@@ -31,10 +43,13 @@ from impl.sglang.wheels import PINNED
 from model.cli import main
 
 EXPECTED = {
-    "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-failed": "m m m m m d",
-    "stage-split-failure": "r:stages_agree " * 5 + "d", "gated-second-min": "d" + " r:stages_agree" * 5,
-    "queue-split": "d d d d d r:collectives_agree",
+    "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-transferring": "m m m m m m",
+    "all-failed": "m m m m m m", "stage-split-failure": "r:stages_agree " * 6,
+    "gated-second-min": "r:stages_agree " * 6, "queue-split": "r:collectives_agree " * 6,
 }
+RING = {"ring-ready": "m m m m m", "ring-stage-bootstrapping": "m m m m m",
+        "ring-stage-fails": "r:stages_agree r:stages_agree m m m", "ring-no-buffer": "r:stages_agree " * 5,
+        "ring-queue-split": "r:collectives_agree " * 5}
 
 
 PREFILL = {"boot-pp-ready": "m", "boot-pp-later-stage-fails": "m",
@@ -56,6 +71,7 @@ def rows() -> list[dict]:
 def test_expected_verdicts_per_release(rows: list[dict]) -> None:
     got = {name: " ".join(_code(r) for r in rows if r["scenario"] == name) for name in EXPECTED}
     assert got == {k: " ".join(v.split()) for k, v in EXPECTED.items()}
+    assert [r for r in rows if r["verdict"] == "differs"] == []
 
 
 def test_the_release_code_ran_its_ring_and_both_mins(rows: list[dict]) -> None:
@@ -71,11 +87,33 @@ def test_the_release_code_ran_its_ring_and_both_mins(rows: list[dict]) -> None:
         assert r["places"] == [[2, 2]] * 4 and not any(r["errors"])
 
 
-def test_the_known_differences_name_their_cause(rows: list[dict]) -> None:
-    d = {(r["release"], r["scenario"]): r["detail"] for r in rows if r["verdict"] == "differs"}
-    assert d[("0.5.23", "all-failed")] == "stage 0 rank 0 collective 2: spec nothing, release MAX shape 1"
-    assert d[("0.5.12", "gated-second-min")] == "stage 1 rank 1 request 0: spec PREBUILT, release TRANSFER"
-    assert d[("0.5.21", "queue-split")] == "stage 0 rank 1 collective 0: spec nothing, release MIN shape 0"
+def test_the_mechanisms_the_model_was_corrected_for(rows: list[dict]) -> None:
+    by = {(r["release"], r["scenario"]): r for r in rows}
+    # 0.5.23's hold flags MAX after its poll MIN wherever a request failed
+    assert by[("0.5.23", "all-failed")]["records"][0] == [("min", 1), ("min", 1), ("max", 1)]
+    assert by[("0.5.21", "all-failed")]["records"][0] == [("min", 1), ("min", 1)]
+    # up to 0.5.21 an empty queue still MINs (shape 0); 0.5.23's returns first
+    assert by[("0.5.21", "queue-split")]["records"][1] == [("min", 0)]
+    assert by[("0.5.23", "queue-split")]["records"][1] == []
+    # 0.5.12's commit keeps the request on the rank whose metadata row has not landed
+    assert by[("0.5.12", "gated-second-min")]["places"][2:] == [[2], [0]]
+    # the second MIN polls the whole queue, listed or not
+    assert by[("0.5.13", "all-transferring")]["records"] == [[("min", 1), ("min", 1)]] * 4
+
+
+def test_the_old_modelling_differs(rows: list[dict]) -> None:
+    """The rows that differed before the model was corrected, against the variant that
+    lacks the mechanism: the comparison still says no."""
+    scenarios = {s.name: s for s in pprun.fixed_pp_scenarios()}
+    run = lambda version, name: next(x["run"] for x in rows if x["release"] == version and x["scenario"] == name)
+    no_max = pprun.compare_pp(scenarios["all-failed"], "pp-0.5.13", run("0.5.23", "all-failed"))
+    assert no_max["verdict"] == "differs" and no_max["detail"].endswith("spec nothing, release MAX shape 1")
+    split = pprun.compare_pp(scenarios["stage-split-failure"], "pp-0.5.13", run("0.5.23", "stage-split-failure"))
+    assert split["verdict"] == "differs" and "release MAX shape 1" in split["detail"]
+    skipped = pprun.compare_pp(scenarios["queue-split"], "pp-0.5.23", run("0.5.21", "queue-split"))
+    assert skipped["detail"] == "stage 0 rank 1 collective 0: spec nothing, release MIN shape 0"
+    gated = pprun.compare_pp(scenarios["gated-second-min"], "pp-0.5.13", run("0.5.12", "gated-second-min"))
+    assert gated["verdict"] == "differs" and gated["detail"] == "stage 1 rank 0 request 0: spec TRANSFER, release PREBUILT"
 
 
 def test_a_wrong_variant_differs(rows: list[dict]) -> None:
@@ -107,9 +145,40 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_cli_table(capsys: pytest.CaptureFixture) -> None:
-    assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 1     # queue-split differs
+    assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 0     # decode and the prefill ring
     out = capsys.readouterr().out
-    assert "6 checks: 3 match, 2 reproduce, 1 differ" in out
+    assert "12 checks: 6 match, 6 reproduce, 0 differ" in out
+    # another release's variant: 0.5.23's hold MAX and empty-queue skip are not 0.5.13's
+    assert main(["conform", "--pp", "--sglang", "0.5.13", "--variant", "pp-0.5.23"]) == 1
+    assert "7 checks: 3 match, 1 reproduce, 3 differ" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def ring_rows() -> list[dict]:
+    start = time.monotonic()
+    out = ppprefill.check_ring_prefill([v for v in PINNED if v != "0.5.23"], ppprefill.ring_prefill_scenarios())
+    assert time.monotonic() - start < 40
+    return out
+
+
+def test_prefill_bootstrap_ring(ring_rows: list[dict]) -> None:
+    got = {name: " ".join(_code(r) for r in ring_rows if r["scenario"] == name) for name in RING}
+    assert got == {k: " ".join(v.split()) for k, v in RING.items()}
+    by = {(r["release"], r["scenario"]): r for r in ring_rows}
+    # 0.5.12, 0.5.13 poll their whole queue again after the ring; 0.5.18 on the unlisted only
+    assert by[("0.5.13", "ring-ready")]["records"] == [[("min", 1), ("min", 1)]] * 4
+    assert by[("0.5.18", "ring-ready")]["records"] == [[("min", 1)]] * 4
+    assert by[("0.5.18", "ring-stage-bootstrapping")]["records"] == [[("min", 1), ("min", 1)]] * 4
+    assert by[("0.5.21", "ring-queue-split")]["records"][1] == [("min", 0)]
+
+
+def test_prefill_ring_against_the_other_rule_differs(ring_rows: list[dict]) -> None:
+    """Own second poll (0.5.12) against the consensus applied (0.5.18), both ways."""
+    sc = next(s for s in ppprefill.ring_prefill_scenarios() if s.name == "ring-stage-fails")
+    run = lambda version: next(r["run"] for r in ring_rows if r["release"] == version and r["scenario"] == sc.name)
+    assert pprun.compare_pp(sc, "pp-prefill-0.5.12", run("0.5.18"))["detail"] == \
+        "stage 0 rank 0 collective 1: spec bootstrap_poll MIN shape 1, release nothing"
+    assert pprun.compare_pp(sc, "pp-prefill-0.5.18", run("0.5.12"))["verdict"] == "differs"
 
 
 @pytest.fixture(scope="module")
