@@ -199,9 +199,12 @@ def admitting(state: SystemState) -> list[int]:
     return [k for k, rs in enumerate(ranks) if rs.free]
 
 
-def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+def _enqueue(state: SystemState, req: int, room: int, payload: int,
+             slots: tuple[int, ...] | None = None) -> None:
     if req in state.requests:
         raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
+    if slots is not None:       # first: which request still holds a named slot says most
+        _check_named_slots(state, slots)
     takers = admitting(state)
     if not takers:
         full = next(k for k, rs in enumerate(state.ranks) if not rs.free)
@@ -210,12 +213,33 @@ def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
     ranks = state.ranks
     for k in takers:
         rs = ranks[k]
-        slot = rs.free.pop(0)
+        if slots is None:
+            slot = rs.free.pop(0)
+        else:
+            slot = slots[k]
+            rs.free.remove(slot)
         rs.queue.append(req)
         rs.recv[req] = WAITING
         rs.age[req] = 0
         rs.slot_of[req] = slot
         rs.landed[req] = 0
+
+
+def _check_named_slots(state: SystemState, slots: tuple[int, ...]) -> None:
+    """Each rank's named slot must be free there (a real allocator handing out a slot
+    the spec still holds, quarantines or queues is the reuse the spec forbids); then
+    every rank has a free slot and takes the request, under either admission."""
+    if len(slots) != len(state.ranks):
+        raise EventNotEnabled(f"enqueue: {len(slots)} slots named for {len(state.ranks)} ranks")
+    for k, (rs, slot) in enumerate(zip(state.ranks, slots)):
+        if slot in rs.free:
+            continue
+        holders = [r for r, s in rs.slot_of.items() if s == slot]     # the last is its tenant
+        why = ("out of range" if not 0 <= slot < state.n_slots else "not free" if not holders
+               else f"still held by request {holders[-1]} ("
+               + ("queued" if holders[-1] in rs.recv else "deferred release" if holders[-1]
+                  in rs.held else "quarantined until its writes are fenced") + ")")
+        raise EventNotEnabled(f"enqueue: slot {slot} on rank {k} is {why}")
 
 
 def _land(state: SystemState, rank: int, req: int, field: str) -> None:
@@ -436,7 +460,7 @@ _fail = _receiver(KVPoll.Failed)
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
 # Each unpacks its event and calls the one implementation of its transition.
 _ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
-    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload),
+    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload, ev.slots),
     KvDone: lambda state, ev: _kv_done(state, ev.rank, ev.req),
     Fail: lambda state, ev: _fail(state, ev.rank, ev.req),
     Land: lambda state, ev: _land(state, ev.rank, ev.req, ev.field),
