@@ -260,9 +260,19 @@ def _fence(state: SystemState, ev: Fence) -> None:
     if ev.req in rs.fenced:     # still tracked only while its deferred slot is held
         raise EventNotEnabled(f"fence: request {ev.req} is already fenced on rank {ev.rank}")
     rs.fenced.add(ev.req)
-    if ev.req in rs.held and state.variant.defer_failed is _LOCAL_DEFERRAL:
+    defer = state.variant.defer_failed
+    if ev.req in rs.held and defer is _LOCAL_DEFERRAL:
         del rs.held[ev.req]         # this rank releases on its own acknowledgement, at once
         _free_slots(state, ((rs, ev.req),))
+    elif ev.req in rs.held and defer is _AGREED_DEFERRAL:
+        # 0.5.23 resolves its holds before each admission: once every rank holding the
+        # request can release it, it is released on all of them before the next enqueue
+        holders = [o for o in state.ranks if ev.req in o.held]
+        if all(_releasable(state.variant, o, ev.req) for o in holders):
+            for o in holders:
+                del o.held[ev.req]
+            _free_slots(state, [(o, ev.req) for o in holders])
+            _forget_if_done([(o, ev.req) for o in holders if o is not rs])
     _writes_done(state, rs, ev.req)
 
 
@@ -379,28 +389,30 @@ def _set_order(popped: list, positions: list[int]) -> list:
     return [by_pos[pos] for pos in set(positions)]
 
 
+def _releasable(v: Variant, rs: RankState, r: int) -> bool:
+    """This rank may release its hold of ``r``: fenced, or held release_timeout_steps."""
+    limit = v.release_timeout_steps
+    return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
+
+
 def _release_held(state: SystemState) -> None:
     """Before a step's pops: every slot held since an earlier step counts this step, and
     is released where it has now been held ``release_timeout_steps`` steps or (agreed
     deferral) where every rank holding it is fenced or timed out (MAX to hold, MIN to
-    release). Local deferral released fenced slots at the Fence already. Released slots
-    go back in enqueue order."""
+    release). A Fence already released what it made releasable (local: that rank's
+    hold; agreed: every rank's, once all could). Released slots go back in enqueue
+    order."""
     v = state.variant
-    limit = v.release_timeout_steps
     ranks = state.ranks
     for rs in ranks:
         for r in rs.held:
             rs.held[r] += 1
-
-    def can_release(rs: RankState, r: int) -> bool:
-        return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
-
     if v.defer_failed is _AGREED_DEFERRAL:     # decided on the pre-step holds of every rank
         ok = {r for rs in ranks for r in rs.held
-              if all(can_release(o, r) for o in ranks if r in o.held)}
+              if all(_releasable(v, o, r) for o in ranks if r in o.held)}
         release = [[r for r in rs.held if r in ok] for rs in ranks]
     else:
-        release = [[r for r in rs.held if can_release(rs, r)] for rs in ranks]
+        release = [[r for r in rs.held if _releasable(v, rs, r)] for rs in ranks]
     for rs, out in zip(ranks, release):
         if len(out) > 1:
             order = {r: i for i, r in enumerate(state.requests)}     # enqueue order

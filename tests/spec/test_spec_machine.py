@@ -144,6 +144,22 @@ def test_a_named_slot_must_be_free_on_its_rank():
         apply(s, Enqueue(2, 102, 502, slots=(0, 0, 0)))
 
 
+def test_agreed_deferral_releases_at_the_fence_that_makes_every_holder_ready():
+    """0.5.23 resolves its holds before each admission: the last holder's fence releases
+    the slot on every rank at once (before the next enqueue), an earlier one does not."""
+    s = initial_state(VARIANTS["deferred"], 2, 1)
+    apply(s, Enqueue(0, 100, 500))
+    for k in (0, 1):
+        apply(s, Fail(k, 0))
+    apply(s, Step())
+    assert [rs.held for rs in s.ranks] == [{0: 0}, {0: 0}]
+    apply(s, Fence(0, 0))
+    assert [rs.free for rs in s.ranks] == [[], []]          # rank 1 may still be written
+    apply(s, Fence(1, 0))
+    assert [rs.free for rs in s.ranks] == [[0], [0]] and not any(rs.held for rs in s.ranks)
+    apply(s, Enqueue(1, 101, 501, slots=(0, 0)))             # reused before any step
+
+
 def _commit_one(variant: str):
     s = initial_state(VARIANTS[variant], 1, 1)
     for ev in (Enqueue(1, 7, 5), KvDone(0, 1), Land(0, 1, PAYLOAD), Land(0, 1, ROOM)):
