@@ -20,6 +20,7 @@ strict`` installs ``impl.sglang.patch`` in the decode worker and strict's prefil
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -145,8 +146,8 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
                 bound: int) -> dict:
     """The decode ranks' logs as one spec trace (impl/sglang/live_trace.py), with a
     ``bounded_wait`` claim where some request was polled more than ``bound`` times
-    without leaving, validated; and replayed against the other side (``strict`` for a
-    shipped run, ``deferred`` for a strict one), which says where they differ."""
+    without leaving, validated; and the same logs as the other side's trace (``strict``
+    for a shipped run, ``deferred`` for a strict one), replayed: where they differ."""
     from impl.mooncake.report import ReportError
     from impl.sglang.live_trace import (claim_bounded_wait, first_unlatched, rank_logs,
                                         trace_from_logs)
@@ -163,9 +164,11 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
     claim = claim_bounded_wait(trace_path, bound)
     with open(trace_path, encoding="utf-8") as fp:
         check = validate(fp)
+    # the same logs as the other side's trace (its own release timeout and fences)
     other = "deferred" if variant == "strict" else "strict"
-    with open(trace_path, encoding="utf-8") as fp:
-        against = validate(fp, variant=other)
+    buf = io.StringIO()
+    trace_from_logs(rank_logs(work, ranks=2), buf, other, timeout_steps or bound)
+    against = validate(buf.getvalue().splitlines())
     with open(trace_path, encoding="utf-8") as fp:
         header = json.loads(fp.readline())
     return {"trace": str(trace_path), "steps": steps, "trace_valid": check.ok,

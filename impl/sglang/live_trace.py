@@ -13,6 +13,9 @@ What differs from an e2e rank log is settled here, checked, before the e2e merge
   token its commit read where no rank logged one; 0 where neither: nothing reads it);
 - each enqueue names the metadata slot every rank's allocator gave it, and the header
   the allocator's size (``pool``), so the replay checks every reuse of a slot;
+- a rank logs the prefill's ack of a held slot also where the row had landed whole
+  (``landed``): the deferred variants release a hold on it; for the others the spec has
+  forgotten such a request, and those fences are left out;
 - 0.5.23 releases a held slot after a wall-clock timeout: the trace's
   ``release_timeout_steps`` is what the first timeout release took in steps (held from
   the step after the abort to the last step before the release), or one more than the
@@ -31,7 +34,7 @@ from typing import IO, Any
 
 from impl.mooncake.report import ReportError, load_log, write_trace
 from model.spec.kernel import Decision
-from model.spec.variants import get_variant
+from model.spec.variants import Deferral, get_variant
 
 WAITING, SUCCESS, FAILED = 2, 4, 0
 
@@ -144,6 +147,10 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
     cut = first_unlatched(logs)
     if cut is not None:
         logs = cut_before(logs, cut)
+    deferred = get_variant(variant).defer_failed is not Deferral.NONE
+    if not deferred:          # a fence of a row that landed whole says nothing there
+        logs = [[rec for rec in log if not (rec["k"] == "env" and rec.get("landed"))]
+                for log in logs]
     payload = _payloads(logs)
     for log in logs:
         for rec in log:
@@ -153,7 +160,6 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
     for k, steps in enumerate(zip(*by_step)):
         _normalize(list(steps), k)
     n = min(len(s) for s in by_step)
-    deferred = get_variant(variant).release_timeout_steps is not None
     return write_trace(logs, fp, variant, _pool(logs), timeout_steps, partial=True,
                        enqueues_first=True, source="live",
                        release_timeout_steps=release_steps(logs[0], n) if deferred else None)

@@ -195,3 +195,34 @@ def test_a_reuse_before_any_release_is_refused():
     trace_from_logs(_released_then_reused(release_logged=False), buf, "deferred", None)
     result = validate(buf.getvalue().splitlines())
     assert not result.ok and "still held by request 0 (deferred release)" in result.message
+
+
+def test_an_acked_hold_whose_row_landed_is_a_fence_for_deferred_only():
+    """0.5.23 holds a failed request's slot on every rank, also where its row landed
+    whole; the prefill's ack releases it there too. ``deferred`` holds it and needs
+    the fence; ``strict`` forgot the request at its pop, and its trace leaves it out."""
+    logs = []
+    for r in (0, 1):
+        log = [{"k": "pool", "t": 0.0, "slots": 1},
+               {"k": "enq", "t": 0.1, "req": 0, "room": 77, "payload": None, "slot": 0},
+               {**_env("land", r, 0, field="payload"), "value": 5},
+               {**_env("land", r, 0, field="room"), "value": 5},
+               _env("fail", r, 0),
+               _step(0, [0], [0], [0], [0], [[0, int(Decision.ABORT_FAILED), 0]]),
+               {"k": "release", "t": 1.5, "req": 0, "why": "ack"},
+               {**_env("fence", r, 0), "why": "ack", "landed": True},
+               {"k": "enq", "t": 1.6, "req": 1, "room": 88, "payload": None, "slot": 0},
+               _env("fail", r, 1),
+               _step(1, [1], [0], [0], [0], [[1, int(Decision.ABORT_FAILED), 0]])]
+        logs.append(log)
+    for variant, fences in (("deferred", 2), ("strict", 0)):
+        buf = io.StringIO()
+        trace_from_logs(logs, buf, variant, 4 if variant == "strict" else None)
+        lines = buf.getvalue().splitlines()
+        assert sum('"fence"' in x for x in lines) == fences
+        result = validate(lines)
+        assert result.ok, (variant, result.message)
+    dropped = [[rec for rec in log if rec.get("landed") is None] for log in logs]
+    buf = io.StringIO()
+    trace_from_logs(dropped, buf, "deferred", None)       # no ack: the reuse is refused
+    assert "still held by request 0 (deferred release)" in validate(buf.getvalue().splitlines()).message

@@ -164,13 +164,18 @@ class _Rank:
                else "settled" if self.latched.get(req) == SUCCESS else None)
         if self.releasing:                        # the trace's release timeout counts these
             self._write({"k": "release", "req": req, "why": why or "timeout"}, later=True)
-        if req in self.landed or req in self.fenced:
+        if req in self.fenced:
             return
-        self.departed.setdefault(req, slot)       # freed by the pop it leaves in
-        if why is not None:              # still watched: a write after this is refused
+        landed = req in self.landed
+        if not landed:
+            self.departed.setdefault(req, slot)   # freed by the pop it leaves in
+        if why is not None and (not landed or self.releasing):
+            # still watched: a write after this is refused. A landed row's fence matters
+            # only to a held slot (the spec's deferred variants release on it; strict has
+            # forgotten the request: live_trace drops it there)
             self.fenced.add(req)
             self._write({"k": "env", "ev": {"kind": "fence", "rank": self.rank, "req": req},
-                         "why": why}, later=True)
+                         "why": why, "landed": landed}, later=True)
 
     def popped(self, req: int) -> None:
         """``req`` left this rank's queue: its slot may still receive its row."""
