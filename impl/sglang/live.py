@@ -151,7 +151,7 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
     from impl.mooncake.report import ReportError
     from impl.sglang.live_trace import (claim_bounded_wait, first_unlatched, rank_logs,
                                         trace_from_logs)
-    from model.spec.validate import validate, violation_line
+    from model.spec.validate import ValidationResult, validate, violation_line
     try:
         logs = rank_logs(work, ranks=2)
         cut = first_unlatched(logs)
@@ -167,8 +167,11 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
     # the same logs as the other side's trace (its own release timeout and fences)
     other = "deferred" if variant == "strict" else "strict"
     buf = io.StringIO()
-    trace_from_logs(rank_logs(work, ranks=2), buf, other, timeout_steps or bound)
-    against = validate(buf.getvalue().splitlines())
+    try:
+        trace_from_logs(rank_logs(work, ranks=2), buf, other, timeout_steps or bound)
+        against = validate(buf.getvalue().splitlines())
+    except (ReportError, KeyError, ValueError) as exc:
+        against = ValidationResult(False, f"trace not written: {exc}", 0)
     with open(trace_path, encoding="utf-8") as fp:
         header = json.loads(fp.readline())
     return {"trace": str(trace_path), "steps": steps, "trace_valid": check.ok,
