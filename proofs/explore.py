@@ -73,9 +73,17 @@ def request_events(requests: int, room_zero: bool = False,
     return [Enqueue(i, room(i), PAYLOAD_BASE + i) for i in range(requests)]
 
 
+def _one_rank(state: SystemState, ev: Event) -> int | None:
+    """The one rank ``ev`` can change, or None: a Step, an Enqueue, and (agreed
+    deferral) a Fence, which releases a hold on every rank once all can release it."""
+    if isinstance(ev, Fence) and state.variant.defer_failed is Deferral.AGREED:
+        return None
+    return getattr(ev, "rank", None)
+
+
 def _successor(state: SystemState, ev: Event) -> SystemState:
-    """Copy only what ``ev`` can change: an environment event touches one rank."""
-    rank = getattr(ev, "rank", None)
+    """Copy only what ``ev`` can change (``_one_rank``)."""
+    rank = _one_rank(state, ev)
     if rank is None:
         return state.copy()
     ranks = list(state.ranks)
@@ -181,8 +189,9 @@ def explore(variant: Variant, ranks: int, requests: int, steps: int, slots: int,
                 continue
             nxt = _successor(state, ev)
             apply(nxt, ev, detail=False)     # no StepRecord: nothing here reads it
-            if rank is None:
-                _cap_ages(nxt, cap)
+            if _one_rank(state, ev) is None:
+                if rank is None:
+                    _cap_ages(nxt, cap)
                 keys = tuple(rs.key() for rs in nxt.ranks)
             else:
                 keys = rank_keys[:rank] + (nxt.ranks[rank].key(),) + rank_keys[rank + 1:]

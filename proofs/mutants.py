@@ -142,6 +142,20 @@ def _fence_keeps_quarantine() -> None:
     machine._ENV_HANDLERS[machine.Fence] = fence
 
 
+def _agreed_fence_waits() -> None:
+    from model.spec import machine
+
+    def fence(state, ev):
+        rs = machine._rank(state, ev.rank)
+        if ev.req not in rs.outcomes:
+            raise machine.EventNotEnabled(f"fence: request {ev.req} has not left rank {ev.rank}")
+        if ev.req not in rs.landed or ev.req in rs.fenced:
+            raise machine.EventNotEnabled(f"fence: request {ev.req} has nothing in flight")
+        rs.fenced.add(ev.req)                     # the bug: agreed holds wait for a step
+        machine._writes_done(state, rs, ev.req)
+    machine._ENV_HANDLERS[machine.Fence] = fence
+
+
 def _no_clear_on_free() -> None:
     from model.spec import machine
 
@@ -311,6 +325,8 @@ MUTANTS: list[Mutant] = [
            _enqueue_skips_full_rank, ("refines:spec@strict",)),
     Mutant("machine-fence-keeps-quarantine", "machine", "a fence does not free a quarantined slot",
            _fence_keeps_quarantine, ("refines:spec@strict",)),
+    Mutant("machine-agreed-fence-waits", "machine", "the last holder's fence leaves an agreed hold held until a step",
+           _agreed_fence_waits, ("refines:spec@deferred",)),
     Mutant("machine-no-clear-on-free", "machine", "freeing a slot never zeroes its room",
            _no_clear_on_free, ("refines:spec@gate",)),
     Mutant("machine-room-before-payload", "machine", "land ignores the room-after-payload order",

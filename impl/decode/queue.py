@@ -198,9 +198,18 @@ class DecodeTransferQueue:
         (every deployable variant): the MIN over ranks of what each can take, one
         all-reduce, so every rank of the group must call it in the same step with the
         same ``wanted``. Local admission (SGLang's, the deferred variants): this rank's
-        own capacity, no collective (the spec shows the queues can then diverge)."""
+        own capacity, no collective (the spec shows the queues can then diverge); the
+        agreed deferral (0.5.23) first releases what every rank can release, one MIN
+        while slots are held, so its ranks too must all call it."""
         if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0:
             raise ValueError(f"wanted must be an integer >= 0, got {wanted!r}")
+        if self._held and self.variant.defer_failed is Deferral.AGREED:
+            # 0.5.23 resolves its holds before each admission: what every rank can release
+            # now (acknowledged, or timed out at an earlier step), one MIN over the held
+            # slots, which agree on every rank (machine._fence releases at that point)
+            due = np.array([_abort_acknowledged(d.kv_receiver) or self._timed_out(n)
+                            for d, n in self._held], dtype=np.uint8)
+            self._release_held(self.exchange.all_reduce_min(torch.from_numpy(due)).numpy())
         n = min(wanted, self.capacity())
         if self.variant.admission is Admission.AGREED:
             n = int(self.exchange.all_reduce_min(torch.tensor([n], dtype=torch.int64))[0])
@@ -303,11 +312,14 @@ class DecodeTransferQueue:
     def release_due(self) -> np.ndarray:
         """Count this step for every held slot; 1 where this rank could release it now
         (prefill acknowledged the abort, or it was held the release timeout's steps)."""
-        limit = self.variant.release_timeout_steps
         for h in self._held:
             h[1] += 1
-        return np.array([_abort_acknowledged(d.kv_receiver) or (limit is not None and n >= limit)
+        return np.array([_abort_acknowledged(d.kv_receiver) or self._timed_out(n)
                          for d, n in self._held], dtype=np.uint8)
+
+    def _timed_out(self, held_steps: int) -> bool:
+        limit = self.variant.release_timeout_steps
+        return limit is not None and held_steps >= limit
 
     def _release_held(self, due: np.ndarray) -> None:
         """Free the held slots that are due (in enqueue order, as machine._release_held)."""

@@ -48,58 +48,76 @@ def load_log(path: str, partial: bool = False) -> list[dict[str, Any]]:
 
 @dataclass
 class _Segment:
-    events: list[dict[str, Any]]
+    early: list[dict[str, Any]]      # environment events logged before its first enqueue
+    events: list[dict[str, Any]]     # the rest
     enqueues: list[dict[str, Any]]
     step: dict[str, Any] | None
 
 
 def _segments(log: list[dict[str, Any]]) -> list[_Segment]:
-    out, events, enqs = [], [], []
+    """A rank's log cut at its step records; records of other kinds (``pool``,
+    ``release``: what the live ranks note for live_trace) are skipped."""
+    out, early, events, enqs = [], [], [], []
     for rec in log:
         if rec["k"] == "env":
-            events.append(rec)
+            (events if enqs else early).append(rec)
         elif rec["k"] == "enq":
             enqs.append(rec)
-        else:
-            out.append(_Segment(events, enqs, rec))
-            events, enqs = [], []
-    out.append(_Segment(events, enqs, None))
+        elif rec["k"] == "step":
+            out.append(_Segment(early, events, enqs, rec))
+            early, events, enqs = [], [], []
+    out.append(_Segment(early, events, enqs, None))
     return out
+
+
+def _slots(enqueues: list[list[dict[str, Any]]], i: int) -> tuple[int, ...] | None:
+    """The slot each rank logged for its ``i``-th enqueue of a segment, where every
+    rank logged one (a live rank's real metadata slot); None otherwise."""
+    named = [e[i].get("slot") for e in enqueues]
+    return None if any(s is None for s in named) else tuple(int(s) for s in named)
 
 
 def write_trace(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str, slots: int,
                 timeout_steps: int | None, partial: bool = False,
-                enqueues_first: bool = False, source: str = "e2e") -> int:
+                enqueues_first: bool = False, source: str = "e2e",
+                release_timeout_steps: int | None = None) -> int:
     """Merge the ranks' logs into ``fp``; returns the number of steps. ``partial``: the
     logs of a failed run, cut to the steps every rank logged (what the ranks saw after
-    the last of them stays out). ``enqueues_first``: a segment's enqueues go before its
-    events (ranks that observe the environment at the step's polls, ``pdgate live``)."""
+    the last of them stays out). ``enqueues_first``: a segment's enqueues go before the
+    events each rank logged after its first enqueue of the segment (ranks that observe
+    the environment at the step's polls, ``pdgate live``); what it logged before them
+    (a fence or late write seen before admission) stays before them. An enqueue names
+    the slot each rank gave it where every rank logged one."""
     ranks = len(logs)
     segs = [_segments(log) for log in logs]
     if partial:
         m = min(len(s) for s in segs)
-        segs = [s[:m - 1] + [_Segment(s[m - 1].events, s[m - 1].enqueues, None)] for s in segs]
+        segs = [s[:m - 1] + [_Segment(s[m - 1].early, s[m - 1].events, s[m - 1].enqueues, None)]
+                for s in segs]
     if len({len(s) for s in segs}) != 1:
         raise ReportError(f"ranks took different numbers of steps: {[len(s) - 1 for s in segs]}")
     t0 = min((rec["t"] for log in logs for rec in log), default=0.0)
-    header = Header(variant, ranks, slots, timeout_steps, source)
-    writer = TraceWriter(fp, variant, ranks, slots, source, timeout_steps=timeout_steps)
+    header = Header(variant, ranks, slots, timeout_steps, source, release_timeout_steps)
+    writer = TraceWriter(fp, variant, ranks, slots, source, timeout_steps=timeout_steps,
+                         release_timeout_steps=release_timeout_steps)
     ms = (lambda t: (t - t0) * 1000.0)
-    def events(k: int) -> None:
+    def events(k: int, early: bool) -> None:
         for r in range(ranks):
-            for rec in segs[r][k].events:
+            for rec in (segs[r][k].early if early else segs[r][k].events):
                 writer.event(parse_record(rec["ev"], 0, header), ms(rec["t"]))
 
     for k in range(len(segs[0])):
+        events(k, early=True)
         if not enqueues_first:
-            events(k)
+            events(k, early=False)
         enq = [[(e["req"], e["room"], e["payload"]) for e in s[k].enqueues] for s in segs]
         if any(e != enq[0] for e in enq):
             raise ReportError(f"ranks enqueued different requests before step {k}")
-        for e in segs[0][k].enqueues:
-            writer.event(Enqueue(e["req"], e["room"], e["payload"]), ms(e["t"]))
+        every = [s[k].enqueues for s in segs]
+        for i, e in enumerate(segs[0][k].enqueues):
+            writer.event(Enqueue(e["req"], e["room"], e["payload"], _slots(every, i)), ms(e["t"]))
         if enqueues_first:
-            events(k)
+            events(k, early=False)
         if segs[0][k].step is None:
             break
         steps = [s[k].step["rec"] for s in segs]

@@ -9,14 +9,18 @@ same prompts with greedy sampling. The decode ranks log every protocol step
 (impl/sglang/live_site/live_hooks.py); their logs become one spec trace that
 ``pdgate validate`` replays. ``--late-room RANK:MS`` hides each request's metadata room
 on one decode rank for MS ms (``never``: for good); ``--fail-send RANK`` makes every KV
-transfer to decode rank RANK fail in the prefill; ``--kill-prefill-s S`` kills the prefill
-S s after the requests are sent; ``--room-zero`` sends the first request with a
-``bootstrap_room`` of 0. ``--patch strict`` installs ``impl.sglang.patch`` in
-the decode worker and strict's prefill side (impl/sglang/prefill_patch.py) in the prefill.
+transfer to decode rank RANK fail in the prefill; ``--late-write RANK:MS`` reports one
+metadata row to decode rank RANK failed while its write is still on its way (it lands
+MS ms later, or right after the next row into the same slot); ``--kill-prefill-s S``
+kills the prefill S s after a request entered the decode's transfer queue;
+``--room-zero`` sends the first request with a ``bootstrap_room`` of 0. ``--patch
+strict`` installs ``impl.sglang.patch`` in the decode worker and strict's prefill side
+(impl/sglang/prefill_patch.py) in the prefill.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -86,13 +90,19 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
             "prompts": prompts(cfg.requests), "max_new_tokens": cfg.max_new_tokens,
             "start_timeout_s": cfg.start_timeout_s, "request_timeout_s": cfg.request_timeout_s,
             "kill_prefill_s": getattr(cfg, "kill_prefill_s", None),
-            "room_zero": bool(getattr(cfg, "room_zero", False))}
+            "room_zero": bool(getattr(cfg, "room_zero", False)),
+            "second_wave_s": getattr(cfg, "second_wave_s", None),
+            "release_timeout_s": getattr(cfg, "release_timeout_s", None),
+            "max_running": getattr(cfg, "max_running", 2),
+            "late_write": getattr(cfg, "late_write", None)}
     (work / "config.json").write_text(json.dumps(conf))
     # user, network, PID and mount namespaces: only lo; the driver is the namespace's
     # init, so when it exits or is killed the kernel kills every server left in it
     cmd = ["unshare", "-rnpm", "--fork", "--kill-child", "--mount-proc", str(_python()),
            "-m", "impl.sglang.live_driver", str(work / "config.json")]
-    deadline = cfg.start_timeout_s + cfg.request_timeout_s + 120
+    waves = cfg.request_timeout_s + (getattr(cfg, "second_wave_s", None) or 0) \
+        + (cfg.request_timeout_s if getattr(cfg, "second_wave_s", None) is not None else 0)
+    deadline = cfg.start_timeout_s + waves + 120
     with open(work / "driver.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(extra_env), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,11 +146,12 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
                 bound: int) -> dict:
     """The decode ranks' logs as one spec trace (impl/sglang/live_trace.py), with a
     ``bounded_wait`` claim where some request was polled more than ``bound`` times
-    without leaving, validated."""
+    without leaving, validated; and the same logs as the other side's trace (``strict``
+    for a shipped run, ``deferred`` for a strict one), replayed: where they differ."""
     from impl.mooncake.report import ReportError
     from impl.sglang.live_trace import (claim_bounded_wait, first_unlatched, rank_logs,
                                         trace_from_logs)
-    from model.spec.validate import validate
+    from model.spec.validate import ValidationResult, validate, violation_line
     try:
         logs = rank_logs(work, ranks=2)
         cut = first_unlatched(logs)
@@ -153,9 +164,23 @@ def write_trace(work: Path, trace_path: Path, variant: str, timeout_steps: int |
     claim = claim_bounded_wait(trace_path, bound)
     with open(trace_path, encoding="utf-8") as fp:
         check = validate(fp)
+    # the same logs as the other side's trace (its own release timeout and fences)
+    other = "deferred" if variant == "strict" else "strict"
+    buf = io.StringIO()
+    try:
+        trace_from_logs(rank_logs(work, ranks=2), buf, other, timeout_steps or bound)
+        against = validate(buf.getvalue().splitlines())
+    except (ReportError, KeyError, ValueError) as exc:
+        against = ValidationResult(False, f"trace not written: {exc}", 0)
+    with open(trace_path, encoding="utf-8") as fp:
+        header = json.loads(fp.readline())
     return {"trace": str(trace_path), "steps": steps, "trace_valid": check.ok,
-            "trace_message": check.message, "bounded_wait": claim,
-            "cut_at_client_abort": cut}
+            "trace_message": check.message, "first_violation": violation_line(check),
+            "bounded_wait": claim, "cut_at_client_abort": cut, "slots": header["slots"],
+            "release_timeout_steps": header.get("release_timeout_steps"),
+            "other_variant": {"variant": other, "valid": against.ok,
+                              "message": against.message,
+                              "first_violation": violation_line(against)}}
 
 
 def _prefill_counts(folder: Path) -> dict[str, int] | None:
@@ -188,20 +213,28 @@ def run_live(cfg: argparse.Namespace) -> dict[str, Any]:
     if cfg.patch:
         env["PDGATE_LIVE_PATCH"] = cfg.patch
         env["PDGATE_LIVE_TIMEOUT_STEPS"] = str(cfg.timeout_steps)
+    if cfg.late_write:
+        env["PDGATE_LIVE_LATE_WRITE"] = cfg.late_write
     (work / "pd").mkdir(parents=True, exist_ok=True)
-    for old in [*(work / "pd").glob("rank*.jsonl"), *(work / "pd").glob("prefill_patch.*")]:
+    for old in [*(work / "pd").glob("rank*.jsonl"), *(work / "pd").glob("prefill_patch.*"),
+                work / "pd" / "late_write.json", work / "pd" / "armed"]:
         old.unlink(missing_ok=True)
     pd = deploy("pd", work / "pd", model, cfg, env)
-    agree = [b == p for b, p in zip(base["outputs"], pd["outputs"])]
+    waves = 1 if cfg.second_wave_s is None else 2
+    agree = [b == p for b, p in zip(base["outputs"] * waves, pd["outputs"])]
     variant = "strict" if cfg.patch else "deferred"
-    out = {"release": RELEASE, "requests": cfg.requests, "late_room": cfg.late_room,
-           "fail_send": cfg.fail_send, "kill_prefill_s": cfg.kill_prefill_s,
-           "room_zero": cfg.room_zero,
+    late = work / "pd" / "late_write.json"
+    out = {"release": RELEASE, "requests": len(pd["outputs"]), "late_room": cfg.late_room,
+           "fail_send": cfg.fail_send, "late_write": cfg.late_write,
+           "kill_prefill_s": cfg.kill_prefill_s, "room_zero": cfg.room_zero,
+           "second_wave_s": cfg.second_wave_s, "release_timeout_s": cfg.release_timeout_s,
            "patch": cfg.patch, "variant": variant, "matches_baseline": sum(agree),
            "failed_requests": sum(o is None for o in pd["outputs"]),
            "errors": sorted({e for e in pd["errors"] if e}),
            "baseline_timings": base["timings"], "pd_timings": pd["timings"],
            "prefill_patch": _prefill_counts(work / "pd"),
+           "late_write_landed": json.loads(late.read_text()) if late.exists() else None,
+           "killed_after_enqueue_s": pd.get("killed_after_enqueue_s"),
            "work_dir": str(work)}
     out.update(write_trace(work / "pd", Path(cfg.trace or work / "trace.ndjson"), variant,
                            cfg.timeout_steps if cfg.patch else None, cfg.timeout_steps))
@@ -218,8 +251,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'never'")
     p.add_argument("--fail-send", type=int, choices=[0, 1], metavar="RANK",
                    help="every KV transfer to decode rank RANK fails in the prefill")
+    p.add_argument("--late-write", metavar="RANK:MS",
+                   help="report the first metadata row to decode rank RANK (0 or 1) failed "
+                        "while its write is on its way: it lands MS ms later, or right "
+                        "after the next row into the same decode slot")
     p.add_argument("--kill-prefill-s", type=number(0, 3600), metavar="S",
-                   help="kill the prefill server S s after the requests are sent")
+                   help="kill the prefill server S s after a request entered the decode's "
+                        "transfer queue (it is in flight then)")
+    p.add_argument("--second-wave-s", type=number(0, 3600), metavar="S",
+                   help="send the prompts a second time S s after the first wave finished")
+    p.add_argument("--release-timeout-s", type=number(0.1, 3600), metavar="S",
+                   help="0.5.23's deferred release timeout on the decode "
+                        "(SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT; "
+                        "default SGLang's, 30 s; strict's decode ignores it)")
+    p.add_argument("--max-running", type=lambda s: int(number(1, 64)(s)), default=2,
+                   metavar="N", help="the decode's --max-running-requests; its metadata "
+                                     "pool is 2N slots (default 2: 4 slots, reused)")
     p.add_argument("--room-zero", action="store_true",
                    help="send the first request with bootstrap_room 0, straight to both "
                         "servers as the router would")
@@ -238,20 +285,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace")
 
 
-def _late_room_problem(text: str | None) -> str | None:
+def _rank_ms_problem(flag: str, text: str | None, never: bool) -> str | None:
+    """What is wrong with a RANK:MS flag (None: nothing); ``never`` allows MS 'never'."""
     if text is None:
         return None
     rank, sep, ms = text.partition(":")
     if not sep or rank not in ("0", "1"):
-        return f"--late-room {text!r}: want RANK:MS with RANK 0 or 1"
-    if ms == "never":
+        return f"{flag} {text!r}: want RANK:MS with RANK 0 or 1"
+    if never and ms == "never":
         return None
     try:
         value = float(ms)
     except ValueError:
         value = float("nan")
     if not 0 <= value <= 3_600_000:
-        return f"--late-room {text!r}: MS must be a number of milliseconds in [0, 3600000] or 'never'"
+        return (f"{flag} {text!r}: MS must be a number of milliseconds in [0, 3600000]"
+                + (" or 'never'" if never else ""))
     return None
 
 
@@ -264,9 +313,15 @@ def _stop(signum: int, _frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _late_room_problem(args.late_room)
+    problem = (_rank_ms_problem("--late-room", args.late_room, never=True)
+               or _rank_ms_problem("--late-write", args.late_write, never=False))
     if problem:
         print(f"pdgate live: {problem}", file=sys.stderr)
+        return 2
+    try:
+        _python()                  # installed at install time (scripts/install_live.sh), never here
+    except LiveError as exc:
+        print(f"pdgate live: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)

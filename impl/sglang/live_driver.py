@@ -5,7 +5,8 @@ no server outlives it.
 
 ``python -m impl.sglang.live_driver CONFIG.json`` starts one deployment (``baseline``:
 one non-disaggregated server; ``pd``: a prefill, a TP=2 decode worker and
-sglang_router), waits for it with a deadline, sends the prompts (greedy), writes
+sglang_router), waits for it with a deadline, sends the prompts (greedy; a second time
+after ``second_wave_s`` where set), writes
 ``RESULT.json`` ({"outputs": [text or null], "errors": [...], "timings": {...}}) and
 stops every server it started (their process groups). The parent (impl/sglang/live.py)
 kills the namespace on its own deadline.
@@ -29,6 +30,7 @@ SERVER_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native",
                 "--sampling-backend", "pytorch", "--disable-radix-cache",
                 "--host", "127.0.0.1", "--skip-server-warmup", "--max-total-tokens", "4096"]
 PREFILL, DECODE, ROUTER, BASE, BOOTSTRAP = 30000, 30001, 30080, 31000, 8998
+LINGER_S = 2.0
 
 
 class DriverError(RuntimeError):
@@ -80,19 +82,31 @@ class Deployment:
             time.sleep(1)
         raise DriverError(f"{what} not healthy within {self.cfg['start_timeout_s']:g} s")
 
-    def kill_later(self, name: str, after_s: float) -> threading.Timer:
-        """SIGKILL server ``name``'s process group ``after_s`` s from now (a fault)."""
+    def kill_in_flight(self, name: str, after_s: float, deadline_s: float) -> dict:
+        """SIGKILL server ``name``'s process group ``after_s`` s after the next request
+        enters decode rank 0's transfer queue (its rank log's next ``enq`` record), so
+        that request is in flight when it dies (a fault); gives up at ``deadline_s``.
+        The returned dict gets ``killed_after_enqueue_s`` when it fired."""
         proc = self.procs[self.names.index(name)]
+        log = self.work / "rank0.jsonl"
+        start = log.stat().st_size if log.exists() else 0
+        out: dict = {}
 
-        def kill() -> None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        timer = threading.Timer(after_s, kill)
-        timer.daemon = True
-        timer.start()
-        return timer
+        def watch() -> None:
+            end = time.monotonic() + deadline_s
+            while time.monotonic() < end:
+                if log.exists() and b'"k": "enq"' in log.read_bytes()[start:]:
+                    t0 = time.monotonic()
+                    time.sleep(after_s)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    out["killed_after_enqueue_s"] = round(time.monotonic() - t0, 3)
+                    return
+                time.sleep(0.005)
+        threading.Thread(target=watch, daemon=True).start()
+        return out
 
     def stop(self) -> None:
         for p in self.procs:
@@ -172,10 +186,16 @@ def run(cfg: dict) -> dict:
             dep.server("prefill", PREFILL, [*pd, "--tp", "1", "--disaggregation-mode", "prefill",
                                             "--disaggregation-bootstrap-port", str(BOOTSTRAP)],
                        {"PDGATE_LIVE_ROLE": "prefill"})
+            decode_env = {**env, "PDGATE_LIVE_ROLE": "decode"}
+            if cfg.get("release_timeout_s") is not None:     # 0.5.23's own setting
+                decode_env["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"] = \
+                    str(cfg["release_timeout_s"])
+            # a metadata pool of twice --max-running-requests slots: small, so a run
+            # reuses slots and the trace's replay checks every reuse
             dep.server("decode", DECODE, [*pd, "--tp", "2", "--disaggregation-mode", "decode",
                                           "--disaggregation-decode-retraction-backup",
-                                          "cpu_tensor"],
-                       {**env, "PDGATE_LIVE_ROLE": "decode"})
+                                          "cpu_tensor", "--max-running-requests",
+                                          str(cfg.get("max_running", 2))], decode_env)
             dep.wait([PREFILL, DECODE], t0 + start_s, "the prefill and decode servers")
             dep.start("router", [sys.executable, "-m", "sglang_router.launch_router",
                                  "--pd-disaggregation", "--prefill",
@@ -189,13 +209,28 @@ def run(cfg: dict) -> dict:
             _routed(t0 + start_s)
             port = ROUTER
         t_up = time.monotonic()
-        if cfg.get("kill_prefill_s") is not None and cfg["mode"] == "pd":
-            dep.kill_later("prefill", float(cfg["kill_prefill_s"]))
+        pd_mode = cfg["mode"] == "pd"
+        if pd_mode:                  # faults that wait for the warm-up to be over
+            (dep.work / "armed").write_text("")
+        killed = {}
+        if cfg.get("kill_prefill_s") is not None and pd_mode:
+            killed = dep.kill_in_flight("prefill", float(cfg["kill_prefill_s"]),
+                                        float(cfg["request_timeout_s"]))
         outputs, errors = _generate(port, cfg["prompts"], cfg["max_new_tokens"],
-                                    cfg["request_timeout_s"],
-                                    bool(cfg.get("room_zero")) and cfg["mode"] == "pd")
+                                    cfg["request_timeout_s"], bool(cfg.get("room_zero")) and pd_mode)
+        if cfg.get("second_wave_s") is not None and pd_mode:
+            time.sleep(float(cfg["second_wave_s"]))
+            more, more_errors = _generate(port, cfg["prompts"], cfg["max_new_tokens"],
+                                          cfg["request_timeout_s"])
+            outputs, errors = outputs + more, errors + more_errors
         t_done = time.monotonic()
-        return {"outputs": outputs, "errors": errors, "error": None,
+        if pd_mode:       # what follows the last answer (releases, acks) reaches the rank logs
+            late = dep.work / "late_write.json"
+            end = time.monotonic() + float(cfg["request_timeout_s"])
+            while cfg.get("late_write") and not late.exists() and time.monotonic() < end:
+                time.sleep(0.1)           # the held write lands, and what follows it is logged
+            time.sleep(LINGER_S)
+        return {"outputs": outputs, "errors": errors, "error": None, **killed,
                 "timings": {"start_s": round(t_up - t0, 1),
                             "requests_s": round(t_done - t_up, 1)}}
     except (DriverError, subprocess.SubprocessError, OSError) as exc:

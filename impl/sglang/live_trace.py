@@ -1,13 +1,25 @@
 """The live decode ranks' logs (impl/sglang/live_site/live_hooks.py) as one spec trace.
 
-Four things differ from an e2e rank log, and are settled here, checked, before the e2e
-merge (impl.mooncake.report.write_trace) writes the trace:
+What differs from an e2e rank log is settled here, checked, before the e2e merge
+(impl.mooncake.report.write_trace) writes the trace:
 - a client that gives up makes the router abort its request: the receiver leaves its
   latched Success, which the spec's receiver never does; the trace ends before it;
 - a rank observes the environment at its polls, after the requests it enqueued before
-  the step: a segment's enqueues are written before its events;
+  the step: a segment's enqueues are written before the events it logged after them
+  (what it logged before them, a fence or a late write seen before admission, stays
+  before);
 - a request's first token is not known when it enters the queue: its ``enq`` payload
-  is the token its commit read (0 for a request no rank committed: nothing reads it);
+  is the ``output_ids`` value its row carried when a rank first saw the row land (the
+  token its commit read where no rank logged one; 0 where neither: nothing reads it);
+- each enqueue names the metadata slot every rank's allocator gave it, and the header
+  the allocator's size (``pool``), so the replay checks every reuse of a slot;
+- a rank logs the prefill's ack of a held slot also where the row had landed whole
+  (``landed``): the deferred variants release a hold on it; for the others the spec has
+  forgotten such a request, and those fences are left out;
+- 0.5.23 releases a held slot after a wall-clock timeout: the trace's
+  ``release_timeout_steps`` is what the first timeout release took in steps (held from
+  the step after the abort to the last step before the release), or one more than the
+  trace's steps where none fired;
 - SGLang's receiver reports Bootstrapping, WaitingForInput or Transferring before its
   outcome, where the spec's receiver has one state (WaitingForInput) until it latches
   Success or Failed: those polls are written as WaitingForInput, and the MIN recomputed
@@ -22,9 +34,9 @@ from typing import IO, Any
 
 from impl.mooncake.report import ReportError, load_log, write_trace
 from model.spec.kernel import Decision
+from model.spec.variants import Deferral, get_variant
 
 WAITING, SUCCESS, FAILED = 2, 4, 0
-SLOTS = 4096            # spec slots per rank: more than the requests a run queues at once
 
 
 def rank_logs(folder: Path, ranks: int) -> list[list[dict[str, Any]]]:
@@ -83,6 +95,51 @@ def cut_before(logs: list[list[dict[str, Any]]], step: int) -> list[list[dict[st
     return out
 
 
+def _pool(logs: list[list[dict[str, Any]]]) -> int:
+    sizes = {int(rec["slots"]) for log in logs for rec in log if rec["k"] == "pool"}
+    if len(sizes) != 1:
+        raise ReportError(f"the ranks logged metadata pools of sizes {sorted(sizes)}, want one")
+    return sizes.pop()
+
+
+def _payloads(logs: list[list[dict[str, Any]]]) -> dict[int, int]:
+    """Each request's first token: what its row carried when a rank first saw it land,
+    else what its commit read."""
+    seen: dict[int, int] = {}
+    for log in logs:
+        for rec in log:
+            if rec["k"] == "env" and rec["ev"]["kind"] == "land" and rec.get("value") is not None:
+                seen.setdefault(rec["ev"]["req"], int(rec["value"]))
+    for log in logs:
+        for rec in log:
+            if rec["k"] == "step":
+                for req, decision, value in rec["rec"]["popped"]:
+                    if decision == Decision.COMMIT:
+                        seen.setdefault(req, value)
+    return seen
+
+
+def release_steps(log: list[dict[str, Any]], steps: int) -> int:
+    """0.5.23's wall-clock release timeout in protocol steps, from one rank's log: a
+    request aborted at step a and released by the timeout before step r was held for
+    r - 1 - a of the spec's held steps (the spec releases before its step's pops, the
+    release before the next iteration's admission). ``steps + 1`` where no timeout
+    release fired in the logged steps."""
+    aborted: dict[int, int] = {}
+    done = 0
+    for rec in log:
+        if rec["k"] == "step":
+            done = rec["rec"]["step"] + 1
+            for req, decision, _ in rec["rec"]["popped"]:
+                if decision == Decision.ABORT_FAILED:
+                    aborted[req] = rec["rec"]["step"]
+        elif rec["k"] == "release" and rec["why"] == "timeout" and rec["req"] in aborted:
+            if done > steps:
+                break
+            return max(1, done - 1 - aborted[rec["req"]])
+    return steps + 1
+
+
 def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
                     timeout_steps: int | None) -> int:
     """Write the spec trace of ``logs`` to ``fp`` (cut before the first client abort,
@@ -90,13 +147,11 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
     cut = first_unlatched(logs)
     if cut is not None:
         logs = cut_before(logs, cut)
-    payload = {}
-    for log in logs:
-        for rec in log:
-            if rec["k"] == "step":
-                for req, decision, value in rec["rec"]["popped"]:
-                    if decision == Decision.COMMIT:
-                        payload.setdefault(req, value)
+    deferred = get_variant(variant).defer_failed is not Deferral.NONE
+    if not deferred:          # a fence of a row that landed whole says nothing there
+        logs = [[rec for rec in log if not (rec["k"] == "env" and rec.get("landed"))]
+                for log in logs]
+    payload = _payloads(logs)
     for log in logs:
         for rec in log:
             if rec["k"] == "enq":
@@ -104,8 +159,10 @@ def trace_from_logs(logs: list[list[dict[str, Any]]], fp: IO[str], variant: str,
     by_step = [[rec["rec"] for rec in log if rec["k"] == "step"] for log in logs]
     for k, steps in enumerate(zip(*by_step)):
         _normalize(list(steps), k)
-    return write_trace(logs, fp, variant, SLOTS, timeout_steps, partial=True,
-                       enqueues_first=True, source="live")
+    n = min(len(s) for s in by_step)
+    return write_trace(logs, fp, variant, _pool(logs), timeout_steps, partial=True,
+                       enqueues_first=True, source="live",
+                       release_timeout_steps=release_steps(logs[0], n) if deferred else None)
 
 
 def claim_bounded_wait(path: Path, bound: int) -> str | None:

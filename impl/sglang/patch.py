@@ -11,15 +11,20 @@ Success until the slot's room *equals* the request's (not merely non-zero), a re
 the gate held for ``timeout_steps`` steps (steps whose MIN was Transferring or Success)
 is Failed before the MIN (so every rank aborts it in the same step), an expected room of 0 fails, a room mismatch
 seen at commit time is agreed with one MAX all-reduce of the local flags before any rank
-drops the request, and a popped request's slot is reused only once its receiver says
-``writes_fenced()`` (``queue.release_fenced()`` frees it; receivers without the method
-count as fenced).
+drops the request, and a popped request's slot is reused only once no write of it can
+still land (``writes_fenced``: the receiver's own ``writes_fenced()`` where it has one;
+for SGLang's receivers, a MIN of Success, which the prefill sends only after every write
+returned, or the prefill's abort ack on the release's own channel; else never), and
+0.5.19+'s deferred release of a failed request's slot waits for that ack without its
+wall-clock timeout (``deferred_kv_release_timeout`` set to infinity: "released after
+30 s regardless" is the late-write break of #35049).
 
 ``strict_diff(release, source)``: the same patch as a unified diff against a release's
 decode module; the lines it adds call ``install_at_import``, i.e. ``install_into``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from impl.decode import polling
@@ -53,11 +58,36 @@ def swap_dropins(release: Any) -> None:
 # ---------------------------------------------------------------------------------------
 # The strict patch: SGLang's own queue with strict's rules.
 
+def abort_acked(recv: Any, room: int) -> bool:
+    """The prefill acknowledged the abort of ``room`` on SGLang's own channel (0.5.19+'s
+    deferred release: the ABORT_ACK its sender sends once the room's transfer drained,
+    and never for a send it could not prove settled). False where the receiver has no
+    such channel or never sent the abort."""
+    safe = getattr(getattr(recv, "kv_mgr", None), "is_abort_release_safe", None)
+    if safe is None or not getattr(recv, "abort_notified", False):
+        return False
+    try:
+        return bool(safe(room, len(getattr(recv, "bootstrap_infos", None) or ())))
+    except (TypeError, KeyError, AttributeError):
+        return False
+
+
+def writes_fenced(recv: Any, room: int, settled: bool) -> bool:
+    """No write of this request can still land in its metadata slot: the receiver's own
+    ``writes_fenced()`` where it has one (pdgate's receivers, conform's fakes); else
+    ``settled`` (the MIN was Success: every rank's prefill reported Success, which it
+    sends only after all its writes returned) or the prefill's abort ack. A receiver
+    with neither is never fenced: its slot stays held (a lost slot, never a reuse)."""
+    own = getattr(recv, "writes_fenced", None)
+    if own is not None:
+        return bool(own())
+    return settled or abort_acked(recv, room)
+
+
 class _Quarantine:
     """The queue's slot allocator as ``pop_transferred`` sees it under the patch: a slot
     whose request may still receive writes is held (strict's fence-before-reuse, SGLang
-    #35049) until its receiver says ``writes_fenced()`` (receivers without the method
-    count as fenced).
+    #35049) until ``writes_fenced`` says none can land.
 
     ``agreed``: every popped slot is held and released only by ``release_agreed``, once
     every rank's receiver says fenced (a MIN all-reduce of the local flags over the held
@@ -69,20 +99,20 @@ class _Quarantine:
     def __init__(self, real: Any, buffers: Any, agreed: bool):
         self.real, self.buffers, self.agreed = real, buffers, agreed
         self.receiver_of: dict[int, Any] = {}      # slot -> receiver, set before each step
-        self.held: dict[int, Any] = {}
+        self.room_of: dict[int, int] = {}          # slot -> its request's room
+        self.settled: set[int] = set()             # slots whose request's MIN was Success
+        self.held: dict[int, tuple[Any, int, bool]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
-    @staticmethod
-    def _fenced(recv: Any) -> bool:
-        fenced = getattr(recv, "writes_fenced", None)
-        return True if fenced is None else bool(fenced())
+    def _fenced(self, entry: tuple[Any, int, bool]) -> bool:
+        return writes_fenced(*entry)
 
     def free(self, idx: int) -> None:
-        recv = self.receiver_of.get(idx)
-        if self.agreed or not self._fenced(recv):
-            self.held[idx] = recv
+        entry = (self.receiver_of.get(idx), self.room_of.get(idx, 0), idx in self.settled)
+        if self.agreed or not self._fenced(entry):
+            self.held[idx] = entry
         else:
             self.real.free(idx)
 
@@ -94,8 +124,8 @@ class _Quarantine:
     def release_fenced(self) -> None:
         if self.agreed:
             return                                    # only at a step, on every rank
-        for idx, recv in list(self.held.items()):
-            if self._fenced(recv):
+        for idx, entry in list(self.held.items()):
+            if self._fenced(entry):
                 self._free_held(idx)
 
     def release_agreed(self, wait: Callable[[str, Callable[[], Any]], None], dist: Any,
@@ -103,7 +133,7 @@ class _Quarantine:
         if not self.agreed or not self.held:
             return
         import torch
-        flags = torch.tensor([int(self._fenced(r)) for r in self.held.values()], dtype=torch.int32)
+        flags = torch.tensor([int(self._fenced(e)) for e in self.held.values()], dtype=torch.int32)
         wait("all_reduce(MIN) of fenced flags",
              lambda: dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group, async_op=True))
         for idx, ready in zip(list(self.held), flags.tolist()):
@@ -148,9 +178,13 @@ def _strict_poll(release: Any, timeout_steps: int | None) -> tuple[Callable[...,
 
     def note_reduced(decode_reqs: Any, reduced: list) -> None:
         """The MIN per request, for ageing after the step (strict's timeout counts only
-        steps whose MIN was Transferring or Success: some gate held the request)."""
-        if release.current_queue is not None and decode_reqs is not None:
-            release.current_queue._pdgate_reduced = {id(d): r for d, r in zip(decode_reqs, reduced)}
+        steps whose MIN was Transferring or Success: some gate held the request), and
+        the slots whose request's MIN was Success (its writes settled) for the quarantine."""
+        queue = release.current_queue
+        if queue is not None and decode_reqs is not None:
+            queue._pdgate_reduced = {id(d): r for d, r in zip(decode_reqs, reduced)}
+            queue._pdgate_slots.settled.update(d.metadata_buffer_index for d, r
+                                               in zip(decode_reqs, reduced) if r == success)
 
     def agree_mismatch(reduced: list, gloo_group: Any, decode_reqs: Any, metadata_buffers: Any,
                        server_args: Any) -> list:
@@ -218,9 +252,16 @@ def install_into(release: Any, timeout_steps: int | None = None,
             self._pdgate_ages = {}
             self._pdgate_slots = _Quarantine(self.req_to_metadata_buffer_idx_allocator,
                                              self.metadata_buffers, release.agreed_release)
+            if hasattr(self, "deferred_kv_release_timeout"):
+                # 0.5.19+ holds a failed request's slot until the prefill's ack "or 30 s
+                # regardless": strict keeps only the ack
+                self.deferred_kv_release_timeout = math.inf
         slots = self._pdgate_slots
         slots.release_fenced()
         slots.receiver_of = {d.metadata_buffer_index: d.kv_receiver for d in self.queue}
+        slots.room_of = {d.metadata_buffer_index: int(d.req.bootstrap_room or 0)
+                         for d in self.queue}
+        slots.settled = set()
         real, self.req_to_metadata_buffer_idx_allocator = \
             self.req_to_metadata_buffer_idx_allocator, slots
         release.current_queue = self

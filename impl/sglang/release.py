@@ -196,6 +196,13 @@ class SGLangRank:
             agree = getattr(self.queue, "agree_releases", None)
             if agree is not None:       # the strict patch: agreed releases before admission
                 agree()
+            resolve = getattr(self.queue, "resolve_deferred_releases", None)
+            if resolve is not None and self.variant is not None \
+                    and self.variant.defer_failed.value == "agreed":
+                # 0.5.23 resolves its holds before each admission (a collective: every
+                # rank applies every enqueue), as the spec releases a hold at the fence
+                # that makes every holder ready
+                resolve()
             slot = self.allocator.alloc()
             if slot is None and self.local_admission:
                 return       # SGLang's prealloc keeps it on this rank (local admission)

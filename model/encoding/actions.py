@@ -208,12 +208,24 @@ def fence(ctx: Ctx, s: State, k0: Any = None, r0: Any = None) -> Action:
                    z3.Not(s.fen(k0, r0)),
                    z3.Or(z3.Not(z3.And(s.lr(k0, r0), s.lp(k0, r0))), s.held(k0, r0)))
     mid = s.but(fen=_set_at(s.fen, k0, r0, True))
+    side: list[z3.BoolRef] = []
     if ctx.variant.defer_failed is Deferral.LOCAL:     # the rank releases its held slot now
         was = s.held(k0, r0)
         x0 = s.slot(k0, r0)
         mid = _free_slots(ctx, mid.but(held=_set_at(s.held, k0, r0, False)),
                           lambda k, x: z3.And(was, k == k0, x == x0))
-    return Action("fence", {"rank": k0, "req": r0}, guard, _writes_done(ctx, mid, k0, r0))
+    elif ctx.variant.defer_failed is Deferral.AGREED:
+        # every rank holding r0 can release it, this fence counted: all release it now
+        # (machine._fence: 0.5.23 resolves its holds before each admission)
+        limit = ctx.variant.release_timeout_steps
+        can = lambda k, r: z3.Or(mid.fen(k, r), (s.hage(k, r) >= limit) if limit is not None
+                                 else z3.BoolVal(False))
+        ok, side = ctx.rank_min(lambda k, r: z3.If(z3.Or(z3.Not(s.held(k, r)), can(k, r)), 1, 0))
+        go = z3.And(s.held(k0, r0), ok(r0) == 1)
+        mid = _free_slots(ctx, mid.but(held=lambda k, r: z3.And(s.held(k, r),
+                                                                z3.Not(z3.And(go, r == r0)))),
+                          lambda k, x: z3.And(go, s.held(k, r0), s.slot(k, r0) == x))
+    return Action("fence", {"rank": k0, "req": r0}, guard, _writes_done(ctx, mid, k0, r0), side)
 
 
 def protocol_step(ctx: Ctx, s: State) -> Action:

@@ -18,6 +18,11 @@ class Enqueue:
     req: int
     room: int       # expected bootstrap_room (64-bit, chosen by the client/router)
     payload: int    # what prefill sends in the metadata row (first output token)
+    # The slot each rank gave the request, in rank order, where a trace of a real run
+    # names them (its allocator's own choice): each must be free on that rank. None:
+    # each rank takes the front of its FIFO free list (the proofs' unbounded encoding
+    # already lets enqueue take any free slot, so naming one adds no behaviour).
+    slots: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

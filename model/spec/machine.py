@@ -199,9 +199,12 @@ def admitting(state: SystemState) -> list[int]:
     return [k for k, rs in enumerate(ranks) if rs.free]
 
 
-def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
+def _enqueue(state: SystemState, req: int, room: int, payload: int,
+             slots: tuple[int, ...] | None = None) -> None:
     if req in state.requests:
         raise EventNotEnabled(f"enqueue: request {req} was already enqueued")
+    if slots is not None:       # first: which request still holds a named slot says most
+        _check_named_slots(state, slots)
     takers = admitting(state)
     if not takers:
         full = next(k for k, rs in enumerate(state.ranks) if not rs.free)
@@ -210,12 +213,33 @@ def _enqueue(state: SystemState, req: int, room: int, payload: int) -> None:
     ranks = state.ranks
     for k in takers:
         rs = ranks[k]
-        slot = rs.free.pop(0)
+        if slots is None:
+            slot = rs.free.pop(0)
+        else:
+            slot = slots[k]
+            rs.free.remove(slot)
         rs.queue.append(req)
         rs.recv[req] = WAITING
         rs.age[req] = 0
         rs.slot_of[req] = slot
         rs.landed[req] = 0
+
+
+def _check_named_slots(state: SystemState, slots: tuple[int, ...]) -> None:
+    """Each rank's named slot must be free there (a real allocator handing out a slot
+    the spec still holds, quarantines or queues is the reuse the spec forbids); then
+    every rank has a free slot and takes the request, under either admission."""
+    if len(slots) != len(state.ranks):
+        raise EventNotEnabled(f"enqueue: {len(slots)} slots named for {len(state.ranks)} ranks")
+    for k, (rs, slot) in enumerate(zip(state.ranks, slots)):
+        if slot in rs.free:
+            continue
+        holders = [r for r, s in rs.slot_of.items() if s == slot]     # the last is its tenant
+        why = ("out of range" if not 0 <= slot < state.n_slots else "not free" if not holders
+               else f"still held by request {holders[-1]} ("
+               + ("queued" if holders[-1] in rs.recv else "deferred release" if holders[-1]
+                  in rs.held else "quarantined until its writes are fenced") + ")")
+        raise EventNotEnabled(f"enqueue: slot {slot} on rank {k} is {why}")
 
 
 def _land(state: SystemState, rank: int, req: int, field: str) -> None:
@@ -236,9 +260,19 @@ def _fence(state: SystemState, ev: Fence) -> None:
     if ev.req in rs.fenced:     # still tracked only while its deferred slot is held
         raise EventNotEnabled(f"fence: request {ev.req} is already fenced on rank {ev.rank}")
     rs.fenced.add(ev.req)
-    if ev.req in rs.held and state.variant.defer_failed is _LOCAL_DEFERRAL:
+    defer = state.variant.defer_failed
+    if ev.req in rs.held and defer is _LOCAL_DEFERRAL:
         del rs.held[ev.req]         # this rank releases on its own acknowledgement, at once
         _free_slots(state, ((rs, ev.req),))
+    elif ev.req in rs.held and defer is _AGREED_DEFERRAL:
+        # 0.5.23 resolves its holds before each admission: once every rank holding the
+        # request can release it, it is released on all of them before the next enqueue
+        holders = [o for o in state.ranks if ev.req in o.held]
+        if all(_releasable(state.variant, o, ev.req) for o in holders):
+            for o in holders:
+                del o.held[ev.req]
+            _free_slots(state, [(o, ev.req) for o in holders])
+            _forget_if_done([(o, ev.req) for o in holders if o is not rs])
     _writes_done(state, rs, ev.req)
 
 
@@ -355,28 +389,30 @@ def _set_order(popped: list, positions: list[int]) -> list:
     return [by_pos[pos] for pos in set(positions)]
 
 
+def _releasable(v: Variant, rs: RankState, r: int) -> bool:
+    """This rank may release its hold of ``r``: fenced, or held release_timeout_steps."""
+    limit = v.release_timeout_steps
+    return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
+
+
 def _release_held(state: SystemState) -> None:
     """Before a step's pops: every slot held since an earlier step counts this step, and
     is released where it has now been held ``release_timeout_steps`` steps or (agreed
     deferral) where every rank holding it is fenced or timed out (MAX to hold, MIN to
-    release). Local deferral released fenced slots at the Fence already. Released slots
-    go back in enqueue order."""
+    release). A Fence already released what it made releasable (local: that rank's
+    hold; agreed: every rank's, once all could). Released slots go back in enqueue
+    order."""
     v = state.variant
-    limit = v.release_timeout_steps
     ranks = state.ranks
     for rs in ranks:
         for r in rs.held:
             rs.held[r] += 1
-
-    def can_release(rs: RankState, r: int) -> bool:
-        return r in rs.fenced or (limit is not None and rs.held[r] >= limit)
-
     if v.defer_failed is _AGREED_DEFERRAL:     # decided on the pre-step holds of every rank
         ok = {r for rs in ranks for r in rs.held
-              if all(can_release(o, r) for o in ranks if r in o.held)}
+              if all(_releasable(v, o, r) for o in ranks if r in o.held)}
         release = [[r for r in rs.held if r in ok] for rs in ranks]
     else:
-        release = [[r for r in rs.held if can_release(rs, r)] for rs in ranks]
+        release = [[r for r in rs.held if _releasable(v, rs, r)] for rs in ranks]
     for rs, out in zip(ranks, release):
         if len(out) > 1:
             order = {r: i for i, r in enumerate(state.requests)}     # enqueue order
@@ -436,7 +472,7 @@ _fail = _receiver(KVPoll.Failed)
 # Environment events by type: one dict lookup instead of an isinstance chain per event.
 # Each unpacks its event and calls the one implementation of its transition.
 _ENV_HANDLERS: dict[type, Callable[[SystemState, Any], None]] = {
-    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload),
+    Enqueue: lambda state, ev: _enqueue(state, ev.req, ev.room, ev.payload, ev.slots),
     KvDone: lambda state, ev: _kv_done(state, ev.rank, ev.req),
     Fail: lambda state, ev: _fail(state, ev.rank, ev.req),
     Land: lambda state, ev: _land(state, ev.rank, ev.req, ev.field),

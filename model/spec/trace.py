@@ -39,7 +39,10 @@ class TraceFormatError(ValueError):
 
 def event_record(ev: Event) -> dict[str, Any]:
     if isinstance(ev, Enqueue):
-        return {"kind": "enqueue", "req": ev.req, "room": ev.room, "payload": ev.payload}
+        rec = {"kind": "enqueue", "req": ev.req, "room": ev.room, "payload": ev.payload}
+        if ev.slots is not None:
+            rec["slots"] = list(ev.slots)
+        return rec
     if isinstance(ev, Land):
         return {"kind": "land", "rank": ev.rank, "req": ev.req, "field": ev.field}
     if isinstance(ev, Step):
@@ -185,8 +188,16 @@ def parse_record(obj: Any, line: int, header: Header) -> Event | StepRecord | Vi
     if not isinstance(kind, str) or kind not in KINDS or kind == "header":
         raise TraceFormatError(line, f"unknown record kind {kind!r:.60}")
     if kind == "enqueue":
+        slots = obj.get("slots")
+        if slots is not None:
+            if not isinstance(slots, list) or len(slots) != header.ranks or any(
+                    isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < header.slots
+                    for x in slots):
+                raise TraceFormatError(line, f"enqueue: 'slots' must name one slot in "
+                                             f"0..{header.slots - 1} per rank ({header.ranks})")
+            slots = tuple(slots)
         return Enqueue(_int(obj, "req", line), _int(obj, "room", line, 0, 2**64 - 1),
-                       _int(obj, "payload", line, -2**31, 2**31 - 1))
+                       _int(obj, "payload", line, -2**31, 2**31 - 1), slots)
     if kind in ENV_KINDS:
         rank, req = _int(obj, "rank", line, 0, header.ranks - 1), _int(obj, "req", line)
         if kind == "land":

@@ -114,6 +114,8 @@ def trace_cases() -> list[TraceCase]:
         TraceCase("Infinity t", _text(_with(good, 1, good[1][:-1] + ',"t":Infinity}'))),
         TraceCase("-Infinity rank", _text(_with(good, 2, good[2].replace('"rank":0', '"rank":-Infinity')))),
         TraceCase("deep nesting in a field", _text(_with(good, enqueue_at, '{"kind":"enqueue","req":' + "[" * 100000 + "]" * 100000 + "}"))),
+        *[TraceCase(f"enqueue slots {v}", _text(_with(good, enqueue_at, good[enqueue_at][:-1] + f',"slots":{v}}}')))
+          for v in ('"0,1"', "[0]", "[0,1,1]", "[0,true]", "[0,-1]", f"[0,{header['slots']}]", "[0,1e400]")],
         TraceCase("a line of brackets", _text([good[0], "[" * 1_000_000])),
         TraceCase("bare step first (no header)", _text(['{"kind":"step"}', *good[1:]])),
         TraceCase("ranks 1e9", _text(_with(good, 0, {**header, "ranks": 10 ** 9}))),
@@ -206,6 +208,8 @@ FLAG_CASES: list[list[str]] = [
     ["live", "--late-room", "x"], ["live", "--patch", "loose"], ["live", "--requests", "1e9"],
     ["live", "--fail-send", "-1"], ["live", "--kill-prefill-s", "1e400"],
     ["live", "--json", "/proc/x"], ["live", "--trace", "/"], ["live", "--work-dir", "/proc/x"],
+    ["live", "--late-write", "1:nan"], ["live", "--late-write", "2:5"], ["live", "--late-write", "1:never"],
+    ["live", "--second-wave-s", "nan"], ["live", "--release-timeout-s", "inf"], ["live", "--max-running", "65"],
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],
     ["nosuchcommand"], ["--bogus-flag"],
 ]

@@ -106,6 +106,20 @@ def test_agreed_deferral_releases_on_every_rank_in_the_same_step():
     assert [len(q.held) for q in qs] == [0, 0] and [q.allocator.free_list() for q in qs] == [[0], [0]]
 
 
+def test_agreed_deferral_releases_before_the_next_admission_once_every_rank_is_fenced():
+    """0.5.23 resolves its holds before each admission (machine._fence): the slot of a
+    request every rank's prefill acknowledged is free for the next request, no step in
+    between; one rank's acknowledgement alone keeps it held."""
+    qs = make("deferred", slots=1, release_timeout_s=10.0, step_floor_s=1.0)
+    admit(qs, "a", 11)
+    fail_everywhere(qs, "a")
+    held_receiver(qs[0], "a").fenced = True
+    assert admit(qs, "b", 12) == [[], []] and [len(q.held) for q in qs] == [1, 1]
+    held_receiver(qs[1], "a").fenced = True
+    assert [[d.req.rid for d in got] for got in admit(qs, "b", 12)] == [["b"], ["b"]]
+    assert [len(q.held) for q in qs] == [0, 0]
+
+
 def test_agreed_deferral_releases_after_the_timeout_without_acknowledgement():
     qs = make(get_variant("deferred", release_timeout_steps=2), slots=1)
     admit(qs, "a", 11)

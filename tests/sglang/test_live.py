@@ -2,7 +2,9 @@
 sglang_router on CPU (the venv of scripts/install_live.sh), each run checked against a
 non-disaggregated server's outputs and its decode ranks' trace replayed by the spec.
 
-- success: every request's text equals the baseline's, the trace validates (deferred);
+- success: every request's text equals the baseline's, the trace validates (deferred),
+  naming the real metadata slots of a 4-slot pool, one of them reused (the warm-up's and
+  four requests' five enqueues), which the replay checks;
 - one fault, a metadata room that never lands on decode rank 1, under the strict
   patch (both sides: the prefill writes each room last, and says how often): every
   request is aborted on both ranks by strict's timeout instead of held forever, the trace validates against ``strict``, and the same trace is refused by
@@ -44,6 +46,11 @@ def test_live_pd_matches_the_plain_server(tmp_path):
     assert got["matches_baseline"] == got["requests"] == 4
     assert got["trace_valid"], got["trace_message"]
     assert got["steps"] > 0
+    with open(got["trace"], encoding="utf-8") as fp:
+        records = [json.loads(line) for line in fp]
+    assert records[0]["slots"] == got["slots"] == 4
+    named = [tuple(r["slots"]) for r in records if r["kind"] == "enqueue"]
+    assert len(named) == 5 and len(set(named)) < len(named)      # a slot was reused
 
 
 @pytest.mark.timeout(LIVE_TIMEOUT_S)

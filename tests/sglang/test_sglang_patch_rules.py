@@ -25,40 +25,73 @@ class _Allocator:
         self.freed.append(idx)
 
 
+class _AckChannel:
+    """SGLang's ``kv_mgr`` as 0.5.19+ has it: the prefill's abort ack per room."""
+
+    def __init__(self) -> None:
+        self.acked: set[int] = set()
+
+    def is_abort_release_safe(self, room: int, required_acks: int) -> bool:
+        return room in self.acked and required_acks == 1
+
+
 def _quarantine(agreed: bool):
-    buffers = types.SimpleNamespace(bootstrap_room=torch.tensor([[11] * 8, [22] * 8, [33] * 8]))
+    """Slots 0/1: receivers with ``writes_fenced`` (fenced, pending); 2: SGLang's
+    receiver waiting for the prefill's abort ack; 3: a receiver with no way to tell
+    (never fenced); 4: the same, whose MIN was Success (its writes returned)."""
+    buffers = types.SimpleNamespace(bootstrap_room=torch.tensor([[11 * (i + 1)] * 8 for i in range(5)]))
     q = _Quarantine(_Allocator(), buffers, agreed)
     fenced, pending = (types.SimpleNamespace(writes_fenced=lambda v=v: v) for v in (True, False))
-    q.receiver_of = {0: fenced, 1: pending, 2: object()}        # 2: no writes_fenced, fenced
-    return q, buffers, pending
+    channel = _AckChannel()
+    sglang = types.SimpleNamespace(kv_mgr=channel, abort_notified=True, bootstrap_infos=[None])
+    q.receiver_of = {0: fenced, 1: pending, 2: sglang, 3: object(), 4: object()}
+    q.room_of = {2: 33, 3: 44, 4: 55}
+    q.settled = {4}
+    return q, buffers, pending, channel
 
 
 def test_per_rank_release_frees_fenced_slots_at_once_and_holds_the_rest_zeroing_them_on_release():
-    q, buffers, pending = _quarantine(agreed=False)
-    for idx in (0, 1, 2):
+    q, buffers, pending, channel = _quarantine(agreed=False)
+    for idx in range(5):
         q.free(idx)
-    assert q.real.freed == [0, 2] and list(q.held) == [1]
+    assert q.real.freed == [0, 4] and list(q.held) == [1, 2, 3]
     q.release_fenced()
-    assert q.real.freed == [0, 2] and list(q.held) == [1]       # still receiving writes
+    assert q.real.freed == [0, 4] and list(q.held) == [1, 2, 3]   # still receiving writes
     pending.writes_fenced = lambda: True
+    channel.acked.add(33)                                          # the prefill's drain ack
     q.release_fenced()
-    assert q.real.freed == [0, 2, 1] and not q.held
+    assert q.real.freed == [0, 4, 1, 2] and list(q.held) == [3]   # 3: no way to know, kept
     assert buffers.bootstrap_room[1].tolist() == [0] * 8          # a late write is gone
 
 
 def test_agreed_release_holds_every_slot_until_the_collective():
-    q, buffers, _ = _quarantine(agreed=True)
-    for idx in (0, 1, 2):
+    q, buffers, _, _ = _quarantine(agreed=True)
+    for idx in range(5):
         q.free(idx)
     q.release_fenced()
-    assert q.real.freed == [] and sorted(q.held) == [0, 1, 2]
+    assert q.real.freed == [] and sorted(q.held) == [0, 1, 2, 3, 4]
 
     def one_rank(what, start):                 # the MIN over one rank: its own flags
         return None
     q.release_agreed(one_rank, types.SimpleNamespace(all_reduce=lambda *a, **k: None,
                                                      ReduceOp=types.SimpleNamespace(MIN=0)), None)
-    assert sorted(q.real.freed) == [0, 2] and list(q.held) == [1]
+    assert sorted(q.real.freed) == [0, 4] and list(q.held) == [1, 2, 3]
     assert buffers.bootstrap_room[0].tolist() == [0] * 8 and buffers.bootstrap_room[1, 0] == 22
+
+
+def test_an_abort_without_the_ack_is_never_fenced():
+    """SGLang's receiver without ``writes_fenced`` (the hole the audit found: it counted
+    as fenced): an abort the prefill did not acknowledge, or never sent, stays held."""
+    from impl.sglang.patch import writes_fenced
+    channel = _AckChannel()
+    recv = types.SimpleNamespace(kv_mgr=channel, abort_notified=True, bootstrap_infos=[None])
+    assert not writes_fenced(recv, 7, settled=False)
+    channel.acked.add(7)
+    assert writes_fenced(recv, 7, settled=False)
+    recv.abort_notified = False                       # no abort sent: no ack will come
+    assert not writes_fenced(recv, 7, settled=False)
+    assert writes_fenced(recv, 7, settled=True)       # Success: every write had returned
+    assert not writes_fenced(None, 7, settled=False)
 
 
 def ageing_body(rank: int, world: int) -> list:

@@ -121,6 +121,45 @@ def test_slots_are_a_fifo_free_list():
         apply(s, Enqueue(4, 104, 504))
 
 
+def test_a_named_slot_must_be_free_on_its_rank():
+    """A trace of a real run names the slot each rank's allocator gave (live): the spec
+    takes exactly those, and refuses one it still holds, saying who holds it."""
+    s = initial_state(VARIANTS["strict"], 2, 3)
+    apply(s, Enqueue(0, 100, 500, slots=(2, 1)))
+    assert [rs.slot_of[0] for rs in s.ranks] == [2, 1]
+    assert [rs.free for rs in s.ranks] == [[0, 1], [0, 2]]
+    apply(s, Fail(0, 0))
+    apply(s, Step())                         # aborted everywhere; its writes may still land
+    with pytest.raises(EventNotEnabled, match="slot 2 on rank 0 is still held by request 0 "
+                                              r"\(quarantined until its writes are fenced\)"):
+        apply(s, Enqueue(1, 101, 501, slots=(2, 0)))
+    assert 1 not in s.requests                 # refused: the state untouched
+    apply(s, Fence(0, 0))
+    apply(s, Fence(1, 0))
+    apply(s, Enqueue(1, 101, 501, slots=(2, 1)))     # fenced: reused on both ranks
+    with pytest.raises(EventNotEnabled, match="slot 2 on rank 0 is still held by request 1 "
+                                              r"\(queued\)"):
+        apply(s, Enqueue(2, 102, 502, slots=(2, 0)))
+    with pytest.raises(EventNotEnabled, match="3 slots named for 2 ranks"):
+        apply(s, Enqueue(2, 102, 502, slots=(0, 0, 0)))
+
+
+def test_agreed_deferral_releases_at_the_fence_that_makes_every_holder_ready():
+    """0.5.23 resolves its holds before each admission: the last holder's fence releases
+    the slot on every rank at once (before the next enqueue), an earlier one does not."""
+    s = initial_state(VARIANTS["deferred"], 2, 1)
+    apply(s, Enqueue(0, 100, 500))
+    for k in (0, 1):
+        apply(s, Fail(k, 0))
+    apply(s, Step())
+    assert [rs.held for rs in s.ranks] == [{0: 0}, {0: 0}]
+    apply(s, Fence(0, 0))
+    assert [rs.free for rs in s.ranks] == [[], []]          # rank 1 may still be written
+    apply(s, Fence(1, 0))
+    assert [rs.free for rs in s.ranks] == [[0], [0]] and not any(rs.held for rs in s.ranks)
+    apply(s, Enqueue(1, 101, 501, slots=(0, 0)))             # reused before any step
+
+
 def _commit_one(variant: str):
     s = initial_state(VARIANTS[variant], 1, 1)
     for ev in (Enqueue(1, 7, 5), KvDone(0, 1), Land(0, 1, PAYLOAD), Land(0, 1, ROOM)):

@@ -61,3 +61,16 @@ def test_random_runs_replay_exactly(variant):
         assert all(json.loads(line)["kind"] for line in lines)
     if variant == "strict":
         assert broke == 0
+
+
+def test_enqueue_slots_round_trip_and_bad_ones_are_malformed():
+    from model.spec.trace import TraceFormatError, parse_record, parse_header
+    fp = io.StringIO()
+    writer = TraceWriter(fp, "gate", 2, 4, "hand")
+    writer.event(Enqueue(0, 9, 1, slots=(3, 0)))
+    header_obj, rec = (json.loads(x) for x in fp.getvalue().splitlines())
+    header = parse_header(header_obj, 1)
+    assert rec["slots"] == [3, 0] and parse_record(rec, 2, header) == Enqueue(0, 9, 1, (3, 0))
+    for bad in ([3], [3, 4], [3, True], "3,0", [3, -1]):
+        with pytest.raises(TraceFormatError, match="'slots' must name one slot in 0..3"):
+            parse_record({**rec, "slots": bad}, 2, header)

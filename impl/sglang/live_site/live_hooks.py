@@ -9,10 +9,21 @@ Set by the parent through the environment (read once, at import):
   and written back MS ms later (``never``: not written back): a late metadata write on
   one rank, as in SGLang #35049, made to happen on every request.
 - ``PDGATE_LIVE_LOG_DIR``: each rank appends ``rank{tp_rank}.jsonl`` in the e2e log
-  shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``) as
-  the rank observes them at its polls, ``enq`` when a request enters its transfer
-  queue (``add`` or ``extend``) (payload unknown then: the parent fills it from the commits), ``step`` with the
-  queue, the receiver polls, what went into the MIN, the MIN and the pops.
+  shape (impl/mooncake/report.py): ``env`` records (``kv_done``, ``fail``, ``land``,
+  ``fence``) as the rank observes them, ``enq`` when a request enters its transfer
+  queue (``add`` or ``extend``) with the metadata slot SGLang's allocator gave it here,
+  ``step`` with the queue, the receiver polls, what went into the MIN, the MIN and the
+  pops; ``pool`` (the allocator's size) once, ``release`` when 0.5.23's deferred release
+  frees a held slot (drained by the prefill's ack, or by its timeout).
+
+What the rank reads in its metadata slots: a ``land`` when a request's room first
+equals its own in its slot (the row's first token, read from ``output_ids`` then, rides
+along as ``value``), also after the request left (a late write: the rank keeps reading
+the slots of requests that left before their row was seen), and a ``fence`` when a
+slot whose row was not seen whole is given back to the allocator under the strict
+patch (which frees only once no write can land: the prefill's abort ack, or its
+Success, sent after every write returned); a write seen after that is logged too, and
+the replay refuses it.
 
 SGLang's classes are wrapped when ``sglang.srt.disaggregation.decode`` is first
 imported (sitecustomize's post-import hook), so the scheduler processes get them before
@@ -27,6 +38,7 @@ import threading
 import time
 from typing import Any
 
+from impl.sglang.patch import abort_acked
 from impl.sglang.reasons import decision_of
 from model.spec.kernel import Decision
 from model.spec.kvpoll import KVPoll
@@ -73,6 +85,103 @@ class _Rank:
         self.cur: dict | None = None
         fault = _late_room()
         self.late_ms = fault[1] if fault and fault[0] == self.rank else -1.0
+        self.buffers = getattr(queue, "metadata_buffers", None)
+        self.slot_of: dict[int, int] = {}         # req -> its slot here
+        self.room_of: dict[int, int] = {}
+        self.departed: dict[int, int] = {}        # left, row not seen whole -> its slot (watched)
+        self.after_step: list[dict] = []          # records that follow the step record
+        self.releasing = False                    # inside 0.5.23's _do_release
+        self.tenant: dict[int, int | None] = {}   # slot -> its last request (None: health check)
+        self.receiver_of: dict[int, Any] = {}
+        self.fenced: set[int] = set()
+        allocator = getattr(queue, "req_to_metadata_buffer_idx_allocator", None)
+        if self.log is not None and allocator is not None:
+            self.log.write({"k": "pool", "slots": int(allocator.size)})
+            self._watch_frees(allocator)
+
+    def _write(self, rec: dict, later: bool = False) -> None:
+        """A record now, or (``later``, inside a step) after the step's record: what the
+        step's pops freed belongs after the step the request left in."""
+        if self.log is None:
+            return
+        if later and self.cur is not None:
+            rec["t"] = time.time()
+            self.after_step.append(rec)
+        else:
+            self.log.write(rec)
+
+    def flush_after_step(self) -> None:
+        for rec in self.after_step:
+            self.log.fp.write(json.dumps(rec) + "\n")
+        self.log.fp.flush()
+        self.after_step = []
+
+    def _land(self, req: int, slot: int, later: bool = False) -> None:
+        """The request's whole row is in ``slot``: the payload, then the room (A1)."""
+        value = None
+        ids = getattr(self.buffers, "output_ids", None)
+        if ids is not None:
+            value = int(ids[slot, 0].item())
+        self.landed.add(req)
+        self.departed.pop(req, None)
+        for field in ("payload", "room"):
+            self._write({"k": "env", "ev": {"kind": "land", "rank": self.rank, "req": req,
+                                            "field": field}, "value": value}, later)
+
+    def scan_departed(self, later: bool = False) -> None:
+        """Late writes: the room of a request that left shows in the slot it had."""
+        if self.buffers is None:
+            return
+        col = self.buffers.bootstrap_room
+        for req, slot in list(self.departed.items()):
+            if int(col[slot, 0].item()) == self.room_of[req] != 0:
+                self._land(req, slot, later)
+
+    def _watch_frees(self, allocator: Any) -> None:
+        """Every slot given back to SGLang's allocator (instance-wide: the queue's pops,
+        0.5.23's deferred release, the strict patch's quarantine)."""
+        own_free = allocator.free
+
+        def free(idx: int) -> Any:
+            self._freed(int(idx))
+            return own_free(idx)
+        allocator.free = free
+
+    def _freed(self, slot: int) -> None:
+        """SGLang gave ``slot`` back. If its tenant's row was not seen whole here, the slot
+        may be reused while a write of it is still on its way, unless the tenant's writes
+        are fenced: its receiver reported Success (the prefill sends it after every
+        write returned) or the prefill acknowledged its abort (the drain ack). Then the
+        rank logs a ``fence``; else nothing (shipped 0.5.23's release timeout, or a
+        patch that freed too early: the replay refuses a reuse the spec holds)."""
+        if self.log is None:
+            return
+        self.scan_departed(later=True)            # a write that landed first is logged first
+        req = self.tenant.get(slot)
+        if req is None:
+            return
+        why = ("ack" if abort_acked(self.receiver_of.get(req), self.room_of[req])
+               else "settled" if self.latched.get(req) == SUCCESS else None)
+        if self.releasing:                        # the trace's release timeout counts these
+            self._write({"k": "release", "req": req, "why": why or "timeout"}, later=True)
+        if req in self.fenced:
+            return
+        landed = req in self.landed
+        if not landed:
+            self.departed.setdefault(req, slot)   # freed by the pop it leaves in
+        if why is not None and (not landed or self.releasing):
+            # still watched: a write after this is refused. A landed row's fence matters
+            # only to a held slot (the spec's deferred variants release on it; strict has
+            # forgotten the request: live_trace drops it there)
+            self.fenced.add(req)
+            self._write({"k": "env", "ev": {"kind": "fence", "rank": self.rank, "req": req},
+                         "why": why, "landed": landed}, later=True)
+
+    def popped(self, req: int) -> None:
+        """``req`` left this rank's queue: its slot may still receive its row."""
+        self.hidden.pop(req, None)
+        if req not in self.landed and req not in self.fenced and req in self.slot_of:
+            self.departed[req] = self.slot_of[req]
 
     def rid(self, decode_req: Any) -> int | None:
         """The trace id of a request this rank logged; None for the rest (health checks)."""
@@ -81,11 +190,17 @@ class _Rank:
     def enqueue(self, decode_req: Any, fake: Any) -> None:
         """Log a request entering the queue; SGLang's health checks (fake transfers: no
         KV, no metadata) are outside the protocol and stay out of the trace."""
-        if self.log is None or (fake is not None and fake(decode_req.req)):
+        if self.log is None:
+            return
+        slot = int(decode_req.metadata_buffer_index)
+        if fake is not None and fake(decode_req.req):
+            self.tenant[slot] = None
             return
         req = self.log.ids.setdefault(decode_req.req.rid, len(self.log.ids))
-        self.log.write({"k": "enq", "req": req, "room": int(decode_req.req.bootstrap_room or 0),
-                        "payload": None})
+        room = int(decode_req.req.bootstrap_room or 0)
+        self.slot_of[req], self.room_of[req], self.tenant[slot] = slot, room, req
+        self.receiver_of[req] = decode_req.kv_receiver
+        self.log.write({"k": "enq", "req": req, "room": room, "payload": None, "slot": slot})
 
     def _hide(self, decode_req: Any, buffers: Any, req: int) -> None:
         """The late-room fault: take the room out now, put it back after late_ms."""
@@ -144,6 +259,7 @@ class _Rank:
         have landed (in the log) and then vanished, which no spec rank does (A1)."""
         if self.cur is None or not self.log:
             return
+        self.scan_departed()        # a late write the gate may have read (into a new tenant's slot)
         for (req, decode_req, buffers, value, before), g in zip(self.cur["entries"], gated):
             if req is None or req in self.landed or buffers is None:
                 continue
@@ -154,9 +270,7 @@ class _Rank:
                     self._hide(decode_req, buffers, req)
                     continue
             if after and (before or value != SUCCESS or g == SUCCESS):
-                self.landed.add(req)       # one write: the payload first, then the room (A1)
-                self.log.env("land", req, self.rank, field="payload")
-                self.log.env("land", req, self.rank, field="room")
+                self._land(req, decode_req.metadata_buffer_index)
 
 
 class _Poller:
@@ -234,9 +348,21 @@ def wrap(decode: Any, utils: Any = None) -> None:
 
     def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
         rank = rank_of(self)
-        if not self.queue or rank.log is None:
+        if rank.log is None:
             return own_pop(self, *args, **kwargs)
+        rank.scan_departed()
         before = list(self.queue)
+        ours = [i for i, d in enumerate(before) if rank.rid(d) is not None]
+        if not ours:
+            out = own_pop(self, *args, **kwargs)
+            if getattr(self, "_deferred_releases", None):
+                # an iteration with nothing queued still counts toward 0.5.23's release
+                # timeout of a held slot (the spec counts held steps): an empty step
+                rank.log.write({"k": "step", "rec": {
+                    "step": rank.step, "queue": [], "local": [], "gated": [], "reduced": [],
+                    "popped": [], "hang": None, "error": None}})
+                rank.step += 1
+            return out
         rank.cur = {"queue": [rank.rid(d) for d in before], "local": [], "entries": [],
                     "gated": None, "reduced": None}
         _CURRENT["queue"], _CURRENT["rank"] = self, rank
@@ -244,26 +370,35 @@ def wrap(decode: Any, utils: Any = None) -> None:
             out = own_pop(self, *args, **kwargs)
         finally:
             _CURRENT.clear()
-        cur, rank.cur = rank.cur, None
+            cur, rank.cur = rank.cur, None
         left = {id(d) for d in before} - {id(d) for d in self.queue}
         reduced = cur["reduced"] or []
         gated = cur["gated"] if cur["gated"] is not None else cur["local"]
-        ours = [i for i, d in enumerate(before) if rank.rid(d) is not None]
-        if not ours:                 # only health checks queued: no protocol step
-            return out
         popped = [[rank.rid(before[i]), *_decision(before[i], reduced[i])]
                   for i in ours if id(before[i]) in left]
         for req, _, _ in popped:
-            rank.hidden.pop(req, None)
+            rank.popped(req)
         rank.log.write({"k": "step", "rec": {
             "step": rank.step, "queue": [cur["queue"][i] for i in ours],
             "local": [cur["local"][i] for i in ours], "gated": [gated[i] for i in ours],
             "reduced": [reduced[i] for i in ours], "popped": popped, "hang": None,
             "error": None}})
         rank.step += 1
+        rank.flush_after_step()
         return out
 
+    def do_release(self: Any, decode_req: Any, idx: int) -> Any:
+        rank = rank_of(self)
+        rank.releasing = True
+        try:
+            return own_release(self, decode_req, idx)
+        finally:
+            rank.releasing = False
+
     cls.add, cls.extend, cls.pop_transferred = add, extend, pop_transferred
+    own_release = getattr(cls, "_do_release", None)
+    if own_release is not None:          # 0.5.19+: the deferred release of a held slot
+        cls._do_release = do_release
     decode.poll_and_all_reduce = poll_and_all_reduce
     if own_gate is not None and os.environ.get("PDGATE_LIVE_PATCH") != "strict":
         utils._apply_metadata_gate = gate
