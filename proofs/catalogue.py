@@ -183,7 +183,7 @@ MUTANTS: list[M] = [
       (f"{_RULES}::test_per_rank_release_frees_fenced_slots_at_once_and_holds_the_rest_zeroing_them_on_release",),
       "a freed held slot keeps its room (a late write reads as the next request's)"),
     M("patch-local-frees-unfenced", "impl/sglang", "impl/sglang/patch.py",
-      "if self.agreed or not self._fenced(recv):", "if self.agreed and not self._fenced(recv):",
+      "if self.agreed or not self._fenced(entry):", "if self.agreed and not self._fenced(entry):",
       (f"{_RULES}::test_per_rank_release_frees_fenced_slots_at_once_and_holds_the_rest_zeroing_them_on_release",),
       "per-rank release frees a slot whose writes are still in flight"),
     M("patch-agreed-releases-locally", "impl/sglang", "impl/sglang/patch.py",
