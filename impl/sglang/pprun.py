@@ -16,7 +16,7 @@ missing message a ``Hang`` after the timeout). Read only: ``event_loop_pp_disagg
 (the microbatch loop; the driver ``stage_body`` calls those functions in its order for
 one microbatch; the prefill loop's bootstrap ring the same way). Prefill
 (impl/sglang/ppprefill.py): 0.5.12 to 0.5.21's bootstrap ring and ``pop_bootstrapped``
-with its consensus; 0.5.23's ``pop_bootstrapped`` with ``pp_size`` 2 whole
+with its consensus; 0.5.22 and 0.5.23's ``pop_bootstrapped`` with ``pp_size`` 2 whole
 (``poll_and_all_reduce_prefill_pp``, ``pp_sync_polls``), the PP group's
 ``send_object`` / ``recv_object`` faked by ``Ring``.
 
@@ -516,12 +516,13 @@ def run_pp(args: Any) -> int:
     try:
         timeout = min(args.collective_timeout, 2.0)
         rows = check_pp(versions, fixed_pp_scenarios(), variant=args.variant, timeout_s=timeout)
-        if args.variant is None:        # prefill: the bootstrap ring, or 0.5.23's forwarding by position
+        if args.variant is None:        # prefill: the bootstrap ring, or forwarding by position (0.5.22 on)
             from impl.sglang import ppprefill
-            ring = [v for v in versions if v != "0.5.23"]
+            positional = [v for v in versions if ppprefill.by_position(v)]
+            ring = [v for v in versions if v not in positional]
             rows += ppprefill.check_ring_prefill(ring, ppprefill.ring_prefill_scenarios(), timeout_s=timeout)
-            if "0.5.23" in versions:
-                rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), timeout_s=timeout)
+            rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), versions=positional,
+                                               timeout_s=timeout)
     except Exception as exc:          # the harness itself failed: one line
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)
