@@ -101,9 +101,21 @@ def read_source(path: str) -> Source:
     return source
 
 
+def _step_trace(path: Path) -> bool:
+    """Not another kind of trace: ``pdgate prove`` also writes the iteration, pipeline
+    and clock traces (``pdgate-iteration``, ``pdgate-clocks``) there, for ``--points``
+    and ``pdgate validate``; an unreadable one is kept, for read_source's one line."""
+    try:
+        with path.open(encoding="utf-8") as fp:
+            head = json.loads(fp.readline(1 << 16) or "null")
+    except (OSError, ValueError):
+        return True
+    return not isinstance(head, dict) or head.get("format") in (None, "pdgate-trace")
+
+
 def default_sources(traces_dir: str) -> list[Source]:
     d = Path(traces_dir)
-    paths = sorted(p for p in d.glob("*.jsonl") if not p.name.endswith(".impl.jsonl")) \
+    paths = sorted(p for p in d.glob("*.jsonl") if not p.name.endswith(".impl.jsonl") and _step_trace(p)) \
         if d.is_dir() else []
     if not paths:
         raise ConformInputError(f"no traces in {d}: run `pdgate prove --traces {d}` first, "

@@ -346,3 +346,19 @@ def test_a_missing_release_names_the_install_command(tmp_path):
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "0.5.13 is not in" in line and "scripts/install.sh" in line
+
+
+def test_the_default_traces_are_the_step_traces_prove_wrote(tmp_path):
+    """pdgate prove writes iteration, pipeline and clock traces to the same folder: the
+    transfer-queue run takes only step traces (a malformed file is kept, and then
+    refused with one line by read_source)."""
+    heads = {"step.jsonl": '{"kind":"header","format":"pdgate-trace","version":1}',
+             "iter.jsonl": '{"kind":"header","format":"pdgate-iteration","version":1}',
+             "clocks.jsonl": '{"kind":"header","format":"pdgate-clocks","version":1}',
+             "bad.jsonl": "not json"}
+    for name, head in heads.items():
+        (tmp_path / name).write_text(head + "\n")
+    assert {n for n in heads if conform._step_trace(tmp_path / n)} == {"step.jsonl", "bad.jsonl"}
+    from model.spec.trace import TraceInputError
+    with pytest.raises(TraceInputError, match="malformed JSON"):
+        conform.read_source(str(tmp_path / "bad.jsonl"))
