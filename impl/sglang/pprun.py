@@ -1,4 +1,4 @@
-"""``pdgate conform --pp``: each pinned release's own PP decode transfer consensus run on
+"""``pdgate conform --pp``: each release's own PP decode transfer consensus run on
 PP stages x TP ranks threads, compared per (stage, rank) with the ``pp-*`` variant of
 model/spec/pipeline.py that models the release (impl/sglang/pp_facts.py MODELLED_BY).
 
@@ -281,7 +281,7 @@ class _TPGroup:
 
 class _Where(threading.local):
     """The (stage, TP rank) of the calling thread: what the fake P2P primitives and
-    ``get_parallel`` (0.5.21+ mixin) answer for."""
+    ``get_parallel`` (0.5.19+ mixin) answer for."""
     ring: Any = None
     s: int = 0
     k: int = 0
@@ -301,8 +301,8 @@ def _broadcast_pyobj(data: Any, rank: int = 0, group: Any = None, src: int = 0, 
 
 
 def _parallel_of(s: int, k: int, pp: int, ranks: int) -> Any:
-    """The parallel state of (stage s, TP rank k): ``self.ps`` (0.5.13 to 0.5.19),
-    ``get_parallel()`` (0.5.21+)."""
+    """The parallel state of (stage s, TP rank k): ``self.ps`` (0.5.13 to 0.5.20),
+    ``get_parallel()`` (0.5.19 on; only it from 0.5.21)."""
     p = fakes.Parallel(None, k, ranks)
     p.attn_cp_rank, p.attn_dp_rank, p.attn_cp_size = 0, 0, 1
     p.pp_rank, p.pp_size = s, pp
