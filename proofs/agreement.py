@@ -49,6 +49,7 @@ BREAKS: dict[str, tuple[str, ...]] = {
     "iter-0.5.13": ("prealloc_poll", "admission", "transfer_poll"),
     "iter-0.5.19": ("deferred_release", "prealloc_poll", "admission", "transfer_poll",
                     "defer_release"),
+    "iter-0.5.20": ("deferred_release", "admission", "transfer_poll", "defer_release"),
     "iter-0.5.21": ("deferred_release", "admission", "transfer_poll", "defer_release",
                     "kv_checksum", "offload_drain_progress", "offload_drain"),
     "iter-0.5.23": ("admission", "transfer_poll", "offload_drain_progress",
@@ -60,7 +61,7 @@ BREAKS: dict[str, tuple[str, ...]] = {
     "prefill-strict": (),
 }
 # the transfer queue's continues; prefill's metadata-buffer continue in pop_bootstrapped
-LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.19", "iter-0.5.21", "iter-0.5.23", "prefill-0.5.12",
+LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.19", "iter-0.5.20", "iter-0.5.21", "iter-0.5.23", "prefill-0.5.12",
                    "prefill-0.5.13", "prefill-0.5.18")
 
 

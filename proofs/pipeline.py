@@ -16,7 +16,7 @@
                     ranks <= 2, requests <= 2, iterations <= 2), replayed and exported.
   cex:gated_min, cex:commit_veto, cex:own_poll   the smallest such run under a
                     restriction that is not inductive (CEX_UNDER).
-  cex:empty_min     0.5.12 to 0.5.21: a rank whose queue emptied MINs a shape-0 list
+  cex:empty_min     0.5.12 to 0.5.22: a rank whose queue emptied MINs a shape-0 list
                     while a peer of its stage MINs its request (a gloo mismatch).
   cex:positions_shifted   0.5.23 prefill: the smallest run in which every stage's send
                     is received, no metadata buffer is short, and yet a later stage moves

@@ -13,11 +13,12 @@ python -m pip install -q --root-user-action=ignore -e '.[test,mooncake-cpu]'
 # setup.py compiles the simulator's hot modules with mypyc where a C compiler is there
 python -c 'from model import _native; print("pdgate: the simulator is", "compiled" if _native.compiled() else "plain Python (compiled build skipped: see the install log)")'
 # SGLang's released wheels, for `pdgate conform` (read from the cache, never fetched at run
-# time): the pinned set in impl/sglang/wheels.py, without dependencies, into
-# $PDGATE_SGLANG_CACHE (default ~/.cache/pdgate/sglang); releases already there are kept.
+# time): every release in impl/sglang/wheels.py's RELEASES (0.5.12 to 0.5.23, about 250 MB),
+# without dependencies, into $PDGATE_SGLANG_CACHE (default ~/.cache/pdgate/sglang);
+# releases already there are kept.
 SGLANG_CACHE="${PDGATE_SGLANG_CACHE:-$HOME/.cache/pdgate/sglang}"
 mkdir -p "$SGLANG_CACHE"
-for v in $(python -c 'from impl.sglang.wheels import PINNED; print(*PINNED)'); do
+for v in $(python -c 'from impl.sglang.wheels import RELEASES; print(*RELEASES)'); do
     if ! ls "$SGLANG_CACHE"/sglang-"$v"-*.whl >/dev/null 2>&1; then
         python -m pip download -q --no-deps "sglang==$v" -d "$SGLANG_CACHE"
     fi

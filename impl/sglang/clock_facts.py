@@ -25,9 +25,10 @@ from model.spec.kvpoll import KVPoll
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 COMMON = "sglang.srt.disaggregation.common.conn"
 RECEIVER = "MooncakeKVReceiver"
-# The variant that models each pinned release (docs/PROOFS.md, "Per-rank clocks").
-MODELLED_BY = {"0.5.12": "clocks-0.5.12", "0.5.13": "clocks-0.5.12", "0.5.18": "clocks-0.5.12",
-               "0.5.19": "clocks-0.5.19", "0.5.21": "clocks-0.5.21", "0.5.23": "clocks-0.5.23"}
+# The variant that models each release, 0.5.12 to 0.5.23 (docs/PROOFS.md, "Per-rank
+# clocks"): rank 0's broadcast abort came in 0.5.20, the release's MIN in 0.5.23.
+MODELLED_BY = {**{f"0.5.{n}": "clocks-0.5.12" for n in range(12, 19)}, "0.5.19": "clocks-0.5.19",
+               **{f"0.5.{n}": "clocks-0.5.21" for n in range(20, 23)}, "0.5.23": "clocks-0.5.23"}
 # the receiver states the model's transfer-queue poll takes (the others are outside it:
 # 0.5.23's Bootstrapping timeout is the prefill wait of the non-early allocation policy)
 POLLED = tuple(KVPoll(x).name for x in CLOCK_INPUTS["poll"])

@@ -40,18 +40,24 @@ class ConformInputError(ValueError):
     """Bad command-line input: one line."""
 
 
+# The transfer-queue variant that models each release: (as shipped, with SGLang's deferred
+# KV release on), read from each wheel's pop_transferred. 0.5.13 on gate the MIN on the
+# metadata row and zero the room on free; 0.5.19 and 0.5.20 hold only a decode-initiated
+# abort's slot (none in a trace: gate); 0.5.21 and 0.5.22 hold every failed transfer's
+# slot per rank; 0.5.23 agrees the holds (a MAX) and the releases (a MIN).
+MODELLED_BY = {"0.5.12": ("ungated", "ungated"), **{f"0.5.{n}": ("gate", "gate") for n in range(13, 21)},
+               "0.5.21": ("gate", "deferred-local"), "0.5.22": ("gate", "deferred-local"),
+               "0.5.23": ("gate", "deferred")}
+
+
 def release_variant(version: str, deferred: bool, patch: str | None) -> str:
-    """The spec variant that models ``version`` as configured."""
-    from impl.sglang.wheels import parse_version
-    key = parse_version(version)
+    """The spec variant that models ``version`` as configured (ConformInputError for a
+    release no variant models)."""
     if patch:
         return patch
-    if key < (0, 5, 13):
-        return "ungated"
-    # 0.5.19-0.5.20 defer only decode-initiated aborts (none in a trace): gate
-    if deferred and key >= (0, 5, 21):
-        return "deferred" if key >= (0, 5, 23) else "deferred-local"
-    return "gate"
+    if version not in MODELLED_BY:
+        raise ConformInputError(f"no variant models SGLang {version} (modelled: {', '.join(MODELLED_BY)})")
+    return MODELLED_BY[version][int(deferred)]
 
 
 def known_variant(name: str) -> bool:
@@ -95,9 +101,21 @@ def read_source(path: str) -> Source:
     return source
 
 
+def _step_trace(path: Path) -> bool:
+    """Not another kind of trace: ``pdgate prove`` also writes the iteration, pipeline
+    and clock traces (``pdgate-iteration``, ``pdgate-clocks``) there, for ``--points``
+    and ``pdgate validate``; an unreadable one is kept, for read_source's one line."""
+    try:
+        with path.open(encoding="utf-8") as fp:
+            head = json.loads(fp.readline(1 << 16) or "null")
+    except (OSError, ValueError):
+        return True
+    return not isinstance(head, dict) or head.get("format") in (None, "pdgate-trace")
+
+
 def default_sources(traces_dir: str) -> list[Source]:
     d = Path(traces_dir)
-    paths = sorted(p for p in d.glob("*.jsonl") if not p.name.endswith(".impl.jsonl")) \
+    paths = sorted(p for p in d.glob("*.jsonl") if not p.name.endswith(".impl.jsonl") and _step_trace(p)) \
         if d.is_dir() else []
     if not paths:
         raise ConformInputError(f"no traces in {d}: run `pdgate prove --traces {d}` first, "
@@ -321,7 +339,8 @@ def check_source(source_dir: str, versions: list[str], patch: str | None) -> Non
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="*", help="spec traces (default: --traces DIR plus simulator runs)")
     p.add_argument("--sglang", required=True, metavar="VERSIONS",
-                   help="comma-separated releases, or 'pinned' (the set install.sh fetches)")
+                   help="comma-separated releases, 'pinned' (the six the heavier modes run by "
+                        "default) or 'all' (every release install.sh fetches, 0.5.12 to 0.5.23)")
     p.add_argument("--traces", default="out/traces", metavar="DIR",
                    help="where `pdgate prove` wrote its traces (default out/traces)")
     p.add_argument("--deferred", action="store_true",
@@ -371,8 +390,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _versions(text: str) -> list[str]:
-    from impl.sglang.wheels import PINNED, parse_version, wheel_path
-    names = list(PINNED) if text == "pinned" else [v.strip() for v in text.split(",") if v.strip()]
+    from impl.sglang.wheels import PINNED, RELEASES, parse_version, wheel_path
+    named = {"pinned": PINNED, "all": RELEASES}
+    names = list(named[text]) if text in named else [v.strip() for v in text.split(",") if v.strip()]
     if not names:
         raise ConformInputError("--sglang: no release given")
     for v in names:
@@ -409,6 +429,9 @@ def run(args: argparse.Namespace) -> int:
         if args.variant:
             get_variant(args.variant)              # unknown: one line naming the known ones
         versions = _versions(args.sglang)
+        if not (args.patch or args.variant or args.emit_diff):
+            for v in versions:
+                release_variant(v, args.deferred, None)    # one a variant models
         if args.emit_diff:
             for path in emit_diffs(versions, args.emit_diff):
                 print(path)

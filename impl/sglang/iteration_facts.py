@@ -14,9 +14,12 @@ from model.spec.agreement import Op, Point, Skip
 from model.spec.iteration import ITER_VARIANTS, IterVariant
 
 DECODE = "sglang.srt.disaggregation.decode"
-# The variant that models each pinned release (docs/PROOFS.md, "The decode iteration").
-MODELLED_BY = {"0.5.12": "iter-0.5.12", "0.5.13": "iter-0.5.13", "0.5.18": "iter-0.5.13",
-               "0.5.19": "iter-0.5.19", "0.5.21": "iter-0.5.21", "0.5.23": "iter-0.5.23"}
+# The variant that models each release, 0.5.12 to 0.5.23, read from each one's wheel
+# (docs/PROOFS.md, "The decode iteration"; 0.5.20 has a variant of its own: 0.5.19's
+# per-rank hold and release with 0.5.21's prealloc poll).
+MODELLED_BY = {"0.5.12": "iter-0.5.12", **{f"0.5.{n}": "iter-0.5.13" for n in range(13, 19)},
+               "0.5.19": "iter-0.5.19", "0.5.20": "iter-0.5.20", "0.5.21": "iter-0.5.21",
+               "0.5.22": "iter-0.5.21", "0.5.23": "iter-0.5.23"}
 OFFLOAD = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
 SCHEDULER = "sglang.srt.managers.scheduler"
 
@@ -180,8 +183,9 @@ def release_mismatches(version: str, source: str | None = None) -> list[str]:
 
 
 PREFILL = "sglang.srt.disaggregation.prefill"
-PREFILL_MODELLED_BY = {"0.5.12": "prefill-0.5.12", "0.5.13": "prefill-0.5.13", "0.5.18": "prefill-0.5.18",
-                       "0.5.19": "prefill-0.5.18", "0.5.21": "prefill-0.5.18", "0.5.23": "prefill-0.5.18"}
+# resolve_waiting_queue_bootstrap (prefill-0.5.18's waiting MIN) came in 0.5.14
+PREFILL_MODELLED_BY = {"0.5.12": "prefill-0.5.12", "0.5.13": "prefill-0.5.13",
+                       **{f"0.5.{n}": "prefill-0.5.18" for n in range(14, 24)}}
 
 
 @dataclass(frozen=True)

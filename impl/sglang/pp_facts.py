@@ -15,10 +15,12 @@ from model.spec.pipeline import PP_VARIANTS, PPVariant
 
 MIXIN = "sglang.srt.managers.scheduler_pp_mixin"
 UTILS = "sglang.srt.disaggregation.utils"
-# decode variant, prefill variant per release
-MODELLED_BY = {"0.5.12": ("pp-0.5.12", "pp-prefill-0.5.12"), "0.5.13": ("pp-0.5.13", "pp-prefill-0.5.12"),
-               "0.5.18": ("pp-0.5.13", "pp-prefill-0.5.18"), "0.5.19": ("pp-0.5.13", "pp-prefill-0.5.18"),
-               "0.5.21": ("pp-0.5.13", "pp-prefill-0.5.18"), "0.5.23": ("pp-0.5.23", "pp-prefill-0.5.23")}
+# decode variant, prefill variant per release, 0.5.12 to 0.5.23: the prefill ring's
+# consensus is applied from 0.5.17 (pp_good_rids), PP0's polls forwarded from 0.5.22
+MODELLED_BY = {"0.5.12": ("pp-0.5.12", "pp-prefill-0.5.12"),
+               **{f"0.5.{n}": ("pp-0.5.13", "pp-prefill-0.5.12") for n in range(13, 17)},
+               **{f"0.5.{n}": ("pp-0.5.13", "pp-prefill-0.5.18") for n in range(17, 22)},
+               "0.5.22": ("pp-0.5.13", "pp-prefill-0.5.23"), "0.5.23": ("pp-0.5.23", "pp-prefill-0.5.23")}
 
 
 @dataclass(frozen=True)

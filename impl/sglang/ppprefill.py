@@ -6,9 +6,9 @@
   each stage's ``get_rids`` TP-MIN, good intersected and bad united by rid;
   ``_pp_pd_send_consensus_bootstrapped_ids`` round the stages) and
   ``process_bootstrapped_queue`` -> the release's own ``PrefillBootstrapQueue.pop_bootstrapped``
-  with that consensus (0.5.12, 0.5.13: ``rids_to_check`` and a second poll; 0.5.18 on:
+  with that consensus (0.5.12 to 0.5.16: ``rids_to_check`` and a second poll; 0.5.17 on:
   ``pp_good_rids`` / ``pp_bad_rids``), over pprun's fake ring (``stage_body``);
-* 0.5.23: ``pop_bootstrapped`` with ``pp_size`` 2 alone (``poll_and_all_reduce_prefill_pp``:
+* 0.5.22, 0.5.23: ``pop_bootstrapped`` with ``pp_size`` 2 alone (``poll_and_all_reduce_prefill_pp``:
   stage 0's TP-MIN; ``pp_sync_polls``: the list sent down the stages, zipped with each
   one's queue by position), the PP group's ``send_object`` / ``recv_object`` faked per TP
   rank by pprun's ``Ring``.
@@ -64,7 +64,7 @@ def _scenario(name: str, stages: list[list[int]], boot: list[list[int]], free: t
 
 
 def prefill_pp_scenarios() -> list[PPPrefillScenario]:
-    """0.5.23's positional forwarding, 2 stages x 2 TP ranks, buffers for every request."""
+    """0.5.22 and 0.5.23's positional forwarding, 2 stages x 2 TP ranks, buffers for every request."""
     from model.spec.iteration import PStage as P
     B, A, W, F = int(P.BOOTSTRAP), int(P.ABSENT), 2, 0
     return [
@@ -124,7 +124,7 @@ def _run(sc: PPPrefillScenario, built: list[tuple[Any, list[Any]]], hubs: list[t
 
 
 def run_pp_prefill(rel: Any, sc: PPPrefillScenario, timeout_s: float = 2.0) -> PPRun:
-    """0.5.23's own ``pop_bootstrapped`` with ``pp_size`` 2 on every (stage, rank)
+    """0.5.22's or 0.5.23's own ``pop_bootstrapped`` with ``pp_size`` 2 on every (stage, rank)
     (``poll_and_all_reduce_prefill_pp``, ``pp_sync_polls``): stage 0's TP-MIN, then the
     list sent down the stages over the fake ring."""
     ring = Ring(sc.pp, sc.ranks, timeout_s)
@@ -152,16 +152,31 @@ def run_ring_prefill(rel: Any, mixin: Any, sc: PPPrefillScenario, timeout_s: flo
     return _run(sc, built, hubs, ring, bodies, lambda k, out: ms[k].waiting_queue, timeout_s, False)
 
 
-def check_pp_prefill(scenarios: Sequence[PPPrefillScenario], *, variant: str = "pp-prefill-0.5.23",
-                     timeout_s: float = 2.0, source: str | None = None) -> list[dict]:
-    """0.5.23 (the one release that forwards by position) on every scenario."""
+def by_position(version: str) -> bool:
+    """The release's prefill variant forwards PP0's polls by position (0.5.22 on), so its
+    ``pop_bootstrapped`` runs alone; the others run the mixin's bootstrap ring."""
+    from impl.sglang.pp_facts import MODELLED_BY
+    from model.spec.agreement import Across
+    from model.spec.pipeline import PP_VARIANTS
+    return any(p.across is Across.PP0 for p in PP_VARIANTS[MODELLED_BY[version][1]].points)
+
+
+def check_pp_prefill(scenarios: Sequence[PPPrefillScenario], *, versions: Sequence[str] = ("0.5.23",),
+                     variant: str | None = None, timeout_s: float = 2.0, source: str | None = None
+                     ) -> list[dict]:
+    """Each release that forwards by position (``by_position``) on every scenario, against
+    its pp-prefill-* variant or ``variant``."""
     from impl.sglang import points
+    from impl.sglang.pp_facts import MODELLED_BY
     rows = []
     try:
-        rel = points.load("0.5.23", source)
-        for sc in scenarios:
-            run = run_pp_prefill(rel, sc, timeout_s)
-            rows.append({"release": "0.5.23", "side": "pp-prefill", **compare_pp(sc, variant, run), "run": run})
+        for version in versions:
+            rel = points.load(version, source)
+            for sc in scenarios:
+                run = run_pp_prefill(rel, sc, timeout_s)
+                name = variant or MODELLED_BY[version][1]
+                rows.append({"release": version, "side": "pp-prefill", **compare_pp(sc, name, run), "run": run})
+            stubs.purge()
     finally:
         stubs.purge()
     return rows

@@ -1,4 +1,4 @@
-"""``pdgate conform --pp``: each pinned release's own PP decode transfer consensus run on
+"""``pdgate conform --pp``: each release's own PP decode transfer consensus run on
 PP stages x TP ranks threads, compared per (stage, rank) with the ``pp-*`` variant of
 model/spec/pipeline.py that models the release (impl/sglang/pp_facts.py MODELLED_BY).
 
@@ -16,7 +16,7 @@ missing message a ``Hang`` after the timeout). Read only: ``event_loop_pp_disagg
 (the microbatch loop; the driver ``stage_body`` calls those functions in its order for
 one microbatch; the prefill loop's bootstrap ring the same way). Prefill
 (impl/sglang/ppprefill.py): 0.5.12 to 0.5.21's bootstrap ring and ``pop_bootstrapped``
-with its consensus; 0.5.23's ``pop_bootstrapped`` with ``pp_size`` 2 whole
+with its consensus; 0.5.22 and 0.5.23's ``pop_bootstrapped`` with ``pp_size`` 2 whole
 (``poll_and_all_reduce_prefill_pp``, ``pp_sync_polls``), the PP group's
 ``send_object`` / ``recv_object`` faked by ``Ring``.
 
@@ -281,7 +281,7 @@ class _TPGroup:
 
 class _Where(threading.local):
     """The (stage, TP rank) of the calling thread: what the fake P2P primitives and
-    ``get_parallel`` (0.5.21+ mixin) answer for."""
+    ``get_parallel`` (0.5.19+ mixin) answer for."""
     ring: Any = None
     s: int = 0
     k: int = 0
@@ -301,8 +301,8 @@ def _broadcast_pyobj(data: Any, rank: int = 0, group: Any = None, src: int = 0, 
 
 
 def _parallel_of(s: int, k: int, pp: int, ranks: int) -> Any:
-    """The parallel state of (stage s, TP rank k): ``self.ps`` (0.5.13 to 0.5.19),
-    ``get_parallel()`` (0.5.21+)."""
+    """The parallel state of (stage s, TP rank k): ``self.ps`` (0.5.13 to 0.5.20),
+    ``get_parallel()`` (0.5.19 on; only it from 0.5.21)."""
     p = fakes.Parallel(None, k, ranks)
     p.attn_cp_rank, p.attn_dp_rank, p.attn_cp_size = 0, 0, 1
     p.pp_rank, p.pp_size = s, pp
@@ -516,12 +516,13 @@ def run_pp(args: Any) -> int:
     try:
         timeout = min(args.collective_timeout, 2.0)
         rows = check_pp(versions, fixed_pp_scenarios(), variant=args.variant, timeout_s=timeout)
-        if args.variant is None:        # prefill: the bootstrap ring, or 0.5.23's forwarding by position
+        if args.variant is None:        # prefill: the bootstrap ring, or forwarding by position (0.5.22 on)
             from impl.sglang import ppprefill
-            ring = [v for v in versions if v != "0.5.23"]
+            positional = [v for v in versions if ppprefill.by_position(v)]
+            ring = [v for v in versions if v not in positional]
             rows += ppprefill.check_ring_prefill(ring, ppprefill.ring_prefill_scenarios(), timeout_s=timeout)
-            if "0.5.23" in versions:
-                rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), timeout_s=timeout)
+            rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), versions=positional,
+                                               timeout_s=timeout)
     except Exception as exc:          # the harness itself failed: one line
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -127,7 +127,7 @@ CLOCK_VARIANTS: dict[str, ClockVariant] = {v.name: v for v in (
         (WAIT_RECEIVER, QUEUE_TIMER)),
     _cv("clocks-0.5.19", "SGLang 0.5.19 (deferred release on)",
         (_poll(C.HELD), RELEASE_LOCAL, ABORT_LOCAL, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
-    _cv("clocks-0.5.21", "SGLang 0.5.21 (deferred release on)",
+    _cv("clocks-0.5.21", "SGLang 0.5.20 to 0.5.22 (deferred release on)",
         (_poll(C.HELD), RELEASE_LOCAL, ABORT_BROADCAST, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),
     _cv("clocks-0.5.23", "SGLang 0.5.23 (deferred release on)",
         (_poll(C.HELD), RELEASE_MIN, ABORT_BROADCAST, FORWARD), (WAIT_RECEIVER, RELEASE_TIMER, QUEUE_TIMER)),

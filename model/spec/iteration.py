@@ -139,7 +139,11 @@ ITER_VARIANTS: dict[str, IterVariant] = {v.name: v for v in (
             NO_CHECKSUM),
     _sglang("iter-0.5.19", "SGLang 0.5.19", Skip.ALL_READY_NO_LOCAL_FAIL, TRANSFER_DEFER, NO_CHECKSUM,
             (RELEASE_LOCAL,), (HOLD_LOCAL,)),
-    _sglang("iter-0.5.21", "SGLang 0.5.21", Skip.EMPTY, TRANSFER_DEFER, CHECKSUM_LOCAL,
+    # 0.5.20: 0.5.19's per-rank hold and release, with 0.5.21's prealloc poll (its
+    # all-ready skip removed: "receiver polling observes asynchronous failures")
+    _sglang("iter-0.5.20", "SGLang 0.5.20", Skip.EMPTY, TRANSFER_DEFER, NO_CHECKSUM,
+            (RELEASE_LOCAL,), (HOLD_LOCAL,)),
+    _sglang("iter-0.5.21", "SGLang 0.5.21 and 0.5.22", Skip.EMPTY, TRANSFER_DEFER, CHECKSUM_LOCAL,
             (RELEASE_HOST_MIN, RELEASE_LOCAL), (HOLD_LOCAL_HOST,), (DRAIN_PROGRESS, DRAIN)),
     _sglang("iter-0.5.23", "SGLang 0.5.23", Skip.EMPTY, TRANSFER_DEFER, CHECKSUM_MAX,
             (RELEASE_MIN,), (HOLD_MAX,), (DRAIN_PROGRESS, DRAIN)),
@@ -172,14 +176,14 @@ P_STRICT_BOOTSTRAP = Point("bootstrap_poll", Op.MIN, (P.BOOTSTRAP,), _BOOTSTRAP_
 P_FORWARD = Point("forward", Op.ALL_REDUCE, (P.WAITING,), ((0, P.INFLIGHT),), Skip.EMPTY)
 P_INFLIGHT = Point("inflight_poll", Op.MIN, (P.INFLIGHT,), ((0, P.GONE), (4, P.GONE)), Skip.EMPTY,
                    input="transfer")
-# resolve_waiting_queue_bootstrap (0.5.18 on): the MIN over the waiting queue's
+# resolve_waiting_queue_bootstrap (0.5.14 on): the MIN over the waiting queue's
 # non-aborted requests (``if not candidates: return``); Failed leaves
 P_WAITING = Point("waiting_bootstrap", Op.MIN, (P.WAITING,), ((0, P.GONE),), Skip.EMPTY, input="bootstrap")
 for _v in (IterVariant("prefill-0.5.12", "SGLang 0.5.12 (prefill)",
                        (P_RECV, P_BOOTSTRAP_BREAK, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
            IterVariant("prefill-0.5.13", "SGLang 0.5.13 (prefill)",
                        (P_RECV, P_BOOTSTRAP, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
-           IterVariant("prefill-0.5.18", "SGLang 0.5.18 to 0.5.23 (prefill)",
+           IterVariant("prefill-0.5.18", "SGLang 0.5.14 to 0.5.23 (prefill)",
                        (P_RECV, P_BOOTSTRAP, P_WAITING, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT),
            IterVariant("prefill-strict", "this project (prefill)",
                        (P_RECV, P_STRICT_BOOTSTRAP, P_WAITING, P_FORWARD, P_INFLIGHT), PStage, P.INFLIGHT)):

@@ -11,7 +11,7 @@ Each PP stage is one TP group running the iteration's ``Point`` mechanism
   stage's value moves it, an intersection by rid, and each stage applies its own value;
   a ``union`` value (a bad rid) that any stage's value is goes to every stage first;
 * ``PP0``: stage 0's TP collective, forwarded to the later stages as a list that each
-  zips with its own queue (0.5.23 prefill ``pp_sync_polls``): by position, not by rid.
+  zips with its own queue (0.5.22 and 0.5.23 prefill ``pp_sync_polls``): by position, not by rid.
 
 A state is one row of stages per (stage, rank), flattened stage-major: row s*T + k is
 TP rank k of PP stage s. Queue order is request order on every row (requests arrive
@@ -34,17 +34,17 @@ Release facts (from the wheels; docs/PROOFS.md, "Pipeline parallel", with line n
   keeps Success and Failed alike as "finished" and intersects with the previous stage's
   list; the last stage's list goes round the ring and each stage calls
   ``pop_transferred(rids)``, which polls and TP-MINs its whole queue again (the second
-  MIN) and pops the listed rids on its own result. Up to 0.5.21 the first MIN is issued
+  MIN) and pops the listed rids on its own result. Up to 0.5.22 the first MIN is issued
   on an empty queue too (a shape-0 tensor); 0.5.23's ``all_reduce_flags`` skips it.
   0.5.12's second MIN is ungated and its commit keeps a request whose metadata row has
   not landed on this rank (a rank-local ``continue``); from 0.5.13 the second MIN is the
   metadata-gated one. 0.5.23 then MAX-reduces its failed requests' hold flags.
 * prefill bootstrap, 0.5.12 to 0.5.21: the same ring by rid (``_pp_pd_get_bootstrapped_ids``),
   good = WaitingForInput on every stage (an intersection), bad = Failed on some stage
-  (a union, ``union``). 0.5.12 and 0.5.13 then poll and TP-MIN the whole queue again and
-  act on their own value for the listed rids; 0.5.18 to 0.5.21 apply the consensus
+  (a union, ``union``). 0.5.12 to 0.5.16 then poll and TP-MIN the whole queue again and
+  act on their own value for the listed rids; 0.5.17 to 0.5.21 apply the consensus
   (``poll_and_all_reduce_pp``, #31869), TP-MINing only the unlisted requests for a
-  Failed. 0.5.23 forwards PP0's polls by position (``poll_and_all_reduce_prefill_pp``).
+  Failed. 0.5.22 and 0.5.23 forward PP0's polls by position (``poll_and_all_reduce_prefill_pp``).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class BStage(IntEnum):
     BOOTSTRAP = 1    # in PrefillBootstrapQueue
     WAITING = 2      # bootstrapped, in the waiting queue
     GONE = 4         # failed bootstrap, aborted
-    CHECKED = 5      # in this round's consensus lists (0.5.12, 0.5.13: good or bad; 0.5.18 on: good)
+    CHECKED = 5      # in this round's consensus lists (0.5.12 to 0.5.16: good or bad; 0.5.17 on: good)
 
 
 Q, B = QStage, BStage
@@ -85,7 +85,7 @@ Q, B = QStage, BStage
 
 def consensus(p: Point, skip: Skip) -> Point:
     """A queue's PP ring: each stage's ``get_rids`` TP-MIN (issued on an empty queue up to
-    0.5.21: ``poll_and_all_reduce`` has no empty test; skipped from 0.5.23), then the
+    0.5.22: ``poll_and_all_reduce`` has no empty test; skipped from 0.5.23), then the
     lists intersected (``union``: united) by rid round the stages."""
     return replace(p, skip=skip, across=Across.RING)
 
@@ -117,12 +117,12 @@ STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (Q.TRANSFER,), ((0, Q.GONE), (4
 # Failed on any (the union wins)
 _BOOT_RING = Point("bootstrap_consensus", Op.MIN, (B.BOOTSTRAP,), ((0, B.CHECKED), (2, B.CHECKED)),
                    input="bootstrap", union=(0,))
-# 0.5.12, 0.5.13: pop_bootstrapped(rids_to_check) polls and TP-MINs the whole queue, acts on
+# 0.5.12 to 0.5.16: pop_bootstrapped(rids_to_check) polls and TP-MINs the whole queue, acts on
 # its own value for the listed rids, keeps one it has no metadata buffer for
 BOOT_POP_OWN = Point("bootstrap_poll", Op.MIN, (B.BOOTSTRAP, B.CHECKED), ((0, B.GONE), (2, B.WAITING)),
                      Skip.EMPTY, input="bootstrap", veto="no_buffer", veto_value=2, moving=(B.CHECKED,))
 BOOT_REQUEUE = Point("requeue", Op.LOCAL, (B.CHECKED,), ((0, B.BOOTSTRAP),))
-# 0.5.18 to 0.5.21 (#31869): bad leaves at once; the unlisted are TP-MINed (``if uncovered``)
+# 0.5.17 to 0.5.21 (#31869): bad leaves at once; the unlisted are TP-MINed (``if uncovered``)
 # for a Failed; good is popped unless this rank has no metadata buffer for it
 _BOOT_RING_APPLIED = Point("bootstrap_consensus", Op.MIN, (B.BOOTSTRAP,), ((0, B.GONE), (2, B.CHECKED)),
                            input="bootstrap", union=(0,))
@@ -155,19 +155,19 @@ class PPVariant:
 PP_VARIANTS: dict[str, PPVariant] = {v.name: v for v in (
     PPVariant("pp-0.5.12", "SGLang 0.5.12 (decode, pp > 1)",
               (consensus(_FINISHED, Skip.NEVER), POP_COMMIT, REQUEUE), QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
-    PPVariant("pp-0.5.13", "SGLang 0.5.13 to 0.5.21 (decode, pp > 1)",
+    PPVariant("pp-0.5.13", "SGLang 0.5.13 to 0.5.22 (decode, pp > 1)",
               (consensus(_FINISHED, Skip.NEVER), POP_GATED), QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED,)),
     PPVariant("pp-0.5.23", "SGLang 0.5.23 (decode, pp > 1)",
               (consensus(_FINISHED, Skip.EMPTY), pop(Q.FAILED, gate="unlanded", gate_value=3), HOLD_MAX),
               QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED, Q.FAILED)),
     PPVariant("pp-strict", "this project (decode, pp > 1)", (STRICT_TRANSFER,), QStage, Q.TRANSFER, Q.PREBUILT),
-    PPVariant("pp-prefill-0.5.12", "SGLang 0.5.12 and 0.5.13 (prefill, pp > 1)",
+    PPVariant("pp-prefill-0.5.12", "SGLang 0.5.12 to 0.5.16 (prefill, pp > 1)",
               (consensus(_BOOT_RING, Skip.NEVER), BOOT_POP_OWN, BOOT_REQUEUE), BStage, B.BOOTSTRAP, B.WAITING,
               (B.CHECKED,)),
-    PPVariant("pp-prefill-0.5.18", "SGLang 0.5.18 to 0.5.21 (prefill, pp > 1)",
+    PPVariant("pp-prefill-0.5.18", "SGLang 0.5.17 to 0.5.21 (prefill, pp > 1)",
               (consensus(_BOOT_RING_APPLIED, Skip.NEVER), BOOT_UNCOVERED, BOOT_POP_AGREED), BStage, B.BOOTSTRAP,
               B.WAITING, (B.CHECKED,)),
-    PPVariant("pp-prefill-0.5.23", "SGLang 0.5.23 (prefill, pp > 1)", (PP0_BOOTSTRAP,), PStage,
+    PPVariant("pp-prefill-0.5.23", "SGLang 0.5.22 and 0.5.23 (prefill, pp > 1)", (PP0_BOOTSTRAP,), PStage,
               PStage.BOOTSTRAP, PStage.WAITING),
     PPVariant("pp-prefill-strict", "this project (prefill, pp > 1)", (STRICT_BOOTSTRAP,), PStage,
               PStage.BOOTSTRAP, PStage.WAITING),

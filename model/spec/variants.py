@@ -108,9 +108,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("strict", GateRule.MATCH, keep_on_room_zero=False, clear_on_free=True,
                 fence_before_reuse=True, room_after_payload=True,
                 timeout_steps=DEFAULT_TIMEOUT_STEPS, fail_zero_room=True),
-        # SGLang 0.5.19 to 0.5.22 (#35049, on by default with Mooncake from 0.5.21): a
-        # failed request's slot is held per rank until that rank's Fence or a per-rank
-        # release timeout; admission reads the rank's own free slots.
+        # SGLang 0.5.21 and 0.5.22 with deferred release on (#35049; 0.5.19 and 0.5.20
+        # hold only a decode-initiated abort's slot): a failed request's slot is held per
+        # rank until that rank's Fence or a per-rank release timeout; admission reads the
+        # rank's own free slots.
         Variant("deferred-local", GateRule.NONZERO, keep_on_room_zero=False, clear_on_free=True,
                 fence_before_reuse=False, room_after_payload=False, timeout_steps=None,
                 fail_zero_room=False, admission=Admission.LOCAL, free_order=FreeOrder.SET,

@@ -1,29 +1,29 @@
 """The clock variants against the releases' own code (impl/sglang/clock_facts.py) and
-``pdgate conform --facts`` (impl/sglang/facts.py): each pinned release's source places
-its timeout verdicts where its clocks-* variant does, and a source edited at one
-mechanism is reported at that mechanism.
+``pdgate conform --facts`` (impl/sglang/facts.py): each release's source (0.5.12 to
+0.5.23) places its timeout verdicts where its clocks-* variant does, and a source edited
+at one mechanism is reported at that mechanism.
 
-Expected table (read from the pinned wheels):
+Expected table (read from the wheels):
 
 | release | abort (SGLANG_REQ_WAITING_TIMEOUT) | receiver times out in | deferred release | freed on |
 |---|---|---|---|---|
-| 0.5.12, 0.5.13, 0.5.18 | each rank's own clock | WaitingForInput (#31800) | none | |
+| 0.5.12 to 0.5.18 | each rank's own clock | WaitingForInput (#31800) | none | |
 | 0.5.19 | each rank's own clock (#27221) | WaitingForInput | per rank | ack, deadline (#38961) |
-| 0.5.21 | rank 0's, on the request broadcast | WaitingForInput | per rank (device slots) | ack, deadline |
+| 0.5.20 to 0.5.22 | rank 0's, on the request broadcast | WaitingForInput | per rank (device slots) | ack, deadline |
 | 0.5.23 | rank 0's, on the request broadcast | WaitingForInput (and Bootstrapping in the prefill wait, outside the model) | MIN | ack, deadline |
 """
 import pytest
 
 from impl.sglang import clock_facts as cf
 from impl.sglang.facts import FAMILIES, check
-from impl.sglang.wheels import PINNED, open_wheel
+from impl.sglang.wheels import PINNED, RELEASES, open_wheel
 from model.cli import main
 from model.spec.agreement import Op
 
 L, B, W = Op.LOCAL, Op.BROADCAST, ("WaitingForInput",)
 EXPECTED = {
-    "0.5.12": (L, W, None, ()), "0.5.13": (L, W, None, ()), "0.5.18": (L, W, None, ()),
-    "0.5.19": (L, W, L, ("ack", "deadline")), "0.5.21": (B, W, L, ("ack", "deadline")),
+    **{f"0.5.{n}": (L, W, None, ()) for n in range(12, 19)},
+    "0.5.19": (L, W, L, ("ack", "deadline")), **{f"0.5.{n}": (B, W, L, ("ack", "deadline")) for n in range(20, 23)},
     "0.5.23": (B, W, Op.MIN, ("ack", "deadline")),
 }
 MODULES = (cf.SCHEDULER, cf.DECODE, cf.MOONCAKE, cf.COMMON)
@@ -39,7 +39,7 @@ def _read(version, module=None, old=None, new=None):
     return cf.mechanisms_of(*(texts[m] for m in MODULES))
 
 
-@pytest.mark.parametrize("version", PINNED)
+@pytest.mark.parametrize("version", RELEASES)
 def test_each_release_reads_as_the_table_and_its_variant(version):
     got = _read(version)
     assert (got.abort, got.receiver_times, got.release, got.release_on) == EXPECTED[version]

@@ -1,8 +1,9 @@
-"""pdgate conform: every pinned SGLang release's own decode code on the counterexamples
-and lassos `pdgate prove` exports for the ungated and gate variants (1 and 2 ranks) and
-the stale-room trace, as shipped, with pdgate's drop-ins swapped in, with the strict
-patch (monkey-patched, and as a diff applied to the release's source); 0.5.21 and 0.5.23
-with deferred release on the deferred variant's counterexamples. The simulator traces
+"""pdgate conform: every SGLang release's own decode code (0.5.12 to 0.5.23, RELEASES) on
+the counterexamples and lassos `pdgate prove` exports for the ungated and gate variants
+(1 and 2 ranks) and the stale-room trace, as shipped; the pinned releases also with
+pdgate's drop-ins swapped in and with the strict patch (monkey-patched, and as a diff
+applied to the release's source); 0.5.20 to 0.5.23 with deferred release on the
+deferred variants' counterexamples. The simulator traces
 and the other variants' counterexamples run in `pdgate conform`'s default set and in
 `pdgate bench conform`, not here (CI time).
 
@@ -13,13 +14,13 @@ default set) and has a sibling where the same machinery says ``differs``:
 | rows | command | sibling that differs (same machinery) |
 |---|---|---|
 | 0.5.12 reproduces #26394 (the queues diverge, the next MIN times out) | `pdgate conform --sglang 0.5.12 out/traces/ungated.cex-queues_identical.jsonl` | `... --variant gate out/traces/gate.liveness-bounded_wait.jsonl` |
-| every gated release reproduces the late-room `outcomes_agree`, room-before-payload `no_corruption` and room-0 `bounded_wait` breaks, and matches ungated's queues_identical trace | `pdgate conform --sglang 0.5.13,0.5.18,0.5.19,0.5.21,0.5.23 out/traces/gate.cex-*.jsonl out/traces/gate.liveness-bounded_wait_room=0.jsonl out/traces/ungated.cex-queues_identical.jsonl` | `pdgate conform --sglang 0.5.13 --variant ungated out/traces/gate.liveness-bounded_wait.jsonl` |
-| every gated release matches the stale-room trace (it zeroes the room on free) | `pdgate conform --sglang pinned` (row stale-room.jsonl) | `--source T` where T holds 0.5.13's decode.py (or 0.5.23's utils.py) with the `bootstrap_room[idx] = 0` of its free path replaced by `pass` |
+| every gated release (0.5.13 to 0.5.23) reproduces the late-room `outcomes_agree`, room-before-payload `no_corruption` and room-0 `bounded_wait` breaks, and matches ungated's queues_identical trace | `pdgate conform --sglang 0.5.13,...,0.5.23 out/traces/gate.cex-*.jsonl out/traces/gate.liveness-bounded_wait_room=0.jsonl out/traces/ungated.cex-queues_identical.jsonl` | `pdgate conform --sglang 0.5.13 --variant ungated out/traces/gate.liveness-bounded_wait.jsonl` |
+| every gated release matches the stale-room trace (it zeroes the room on free) | `pdgate conform --sglang all` (row stale-room.jsonl) | `--source T` where T holds 0.5.13's decode.py (or 0.5.23's utils.py) with the `bootstrap_room[idx] = 0` of its free path replaced by `pass` |
 | `--swap`: the release's own verdicts, never differs | `pdgate conform --sglang pinned --swap` | as the own rows |
 | `--patch strict`: never differs; no `outcomes_agree`, `bounded_wait`, `queues_identical` left; `no_corruption` only where the prefill writes the room first (checked against `strict-no-room-order`: a decode-side patch cannot reorder the prefill's writes); a trace strict refuses an event of is `cut`, never `matches` | `pdgate conform --sglang pinned --patch strict [--local-release]` | `... --patch strict --variant gate` (the patched queue is not gate) |
 | `--patch strict --reorder-rooms`: all `strict`, no break left, moved rows `rewritten` | `pdgate conform --sglang 0.5.13,0.5.23 --patch strict --reorder-rooms` | as above |
 | the strict diff: `patch -p1` applies to each pinned release, its source gives the monkey-patch's verdicts (test_sglang_diff.py) | `pdgate conform --sglang V --emit-diff D; (cd T; patch -p1 < D/sglang-V-strict.diff); pdgate conform --sglang V --patch strict --source T` | `... --source T --variant gate` |
-| 0.5.23 with deferred release matches `deferred` (and reproduces its breaks), 0.5.21 `deferred-local` | `pdgate conform --sglang 0.5.21,0.5.23 --deferred out/traces/deferred*.cex-*.jsonl` | `pdgate conform --sglang 0.5.13 --variant ungated ...` |
+| 0.5.23 with deferred release matches `deferred` (and reproduces its breaks), 0.5.21 and 0.5.22 `deferred-local`, 0.5.20 `gate` (it holds only decode-initiated aborts) | `pdgate conform --sglang 0.5.20,0.5.21,0.5.22,0.5.23 --deferred out/traces/deferred*.cex-*.jsonl` | `... --sglang 0.5.20 --deferred --variant deferred-local`, `... --sglang 0.5.22 --deferred --variant gate` |
 """
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ import pytest
 
 from impl.sglang import conform
 from impl.sglang.runner import Job, fit, fit_script, run_jobs
-from impl.sglang.wheels import PINNED
+from impl.sglang.wheels import PINNED, RELEASES
 from model.spec.variants import get_variant
 
-GATED = [v for v in PINNED if v != "0.5.12"]
+GATED = [v for v in RELEASES if v != "0.5.12"]
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -86,7 +87,7 @@ def _rows(rows: list[dict]) -> dict[tuple[str, str], dict]:
 
 @pytest.fixture(scope="module")
 def own(sources):
-    return _rows(conform.check(list(PINNED), list(sources.values())))
+    return _rows(conform.check(list(RELEASES), list(sources.values())))
 
 
 def test_0_5_12_reproduces_26394_and_the_next_min_mismatches(own):
@@ -139,7 +140,7 @@ def test_no_release_differs_from_its_variant(own):
 
 def test_swapped_in_dropins_match_the_spec_in_every_release(sources, own):
     rows = _rows(conform.check(list(PINNED), list(sources.values()), mode="swap"))
-    assert len(rows) == len(own)
+    assert len(rows) == len(PINNED) * len(sources) and set(rows) <= set(own)
     for key, row in rows.items():
         assert row["verdict"] != "differs", row
         # same protocol, so the same findings as the release's own functions
@@ -251,17 +252,25 @@ def test_the_same_machinery_says_differs_for_the_wrong_variant(sources):
 
 def test_deferred_release_matches_its_variants(all_sources):
     """0.5.23 with deferred release validates against ``deferred`` (agreed holds and
-    releases) and reproduces its counterexamples; 0.5.21 against ``deferred-local``."""
+    releases) and reproduces its counterexamples; 0.5.21 and 0.5.22 against
+    ``deferred-local``; 0.5.20 against ``gate`` (it holds only a decode-initiated
+    abort's slot, and a trace has none)."""
     assert conform.release_variant("0.5.23", True, None) == "deferred"
     assert conform.release_variant("0.5.21", True, None) == "deferred-local"
+    assert conform.release_variant("0.5.22", True, None) == "deferred-local"
     assert conform.release_variant("0.5.19", True, None) == "gate"   # decode-initiated aborts only
+    assert conform.release_variant("0.5.20", True, None) == "gate"
     picked = [all_sources[n] for n in ("deferred.cex-outcomes_agree.jsonl",
                                        "deferred.cex-no_corruption.jsonl",
                                        "deferred.liveness-bounded_wait.jsonl",
                                        "deferred-local.cex-queues_identical.jsonl",
                                        "gate.cex-outcomes_agree.jsonl")]
-    rows = _rows(conform.check(["0.5.21", "0.5.23"], picked, deferred=True))
+    rows = _rows(conform.check(["0.5.20", "0.5.21", "0.5.22", "0.5.23"], picked, deferred=True))
     assert not [r for r in rows.values() if r["verdict"] in ("differs", "not checked")], rows
+    assert {rows[("0.5.20", n.name)]["variant"] for n in picked} == {"gate"}
+    for name in ("deferred-local.cex-queues_identical.jsonl", "gate.cex-outcomes_agree.jsonl"):
+        a, b = rows[("0.5.21", name)], rows[("0.5.22", name)]
+        assert (b["variant"], b["verdict"], b["invariant"]) == ("deferred-local", a["verdict"], a["invariant"])
     for name in ("deferred.cex-outcomes_agree.jsonl", "deferred.cex-no_corruption.jsonl"):
         row = rows[("0.5.23", name)]
         assert (row["variant"], row["verdict"]) == ("deferred", "reproduces")
@@ -276,6 +285,16 @@ def test_deferred_release_matches_its_variants(all_sources):
     agreed = rows[("0.5.23", "deferred-local.cex-queues_identical.jsonl")]
     assert (agreed["verdict"], agreed["found"]) == ("cut", "matches"), agreed
     assert "no free metadata slot" in agreed["changes"][0]
+
+
+def test_the_unpinned_deferred_releases_against_the_other_variant_differ(all_sources):
+    """The siblings: 0.5.20 checked as if it held every failed slot per rank, 0.5.22 as
+    if it freed at once, on the trace where per-rank holds diverge admission."""
+    trace = [all_sources["deferred-local.cex-queues_identical.jsonl"]]
+    for version, variant, detail in (("0.5.20", "deferred-local", "spec does not allow this step"),
+                                     ("0.5.22", "gate", "no free metadata slot")):
+        [row] = conform.check([version], trace, deferred=True, variant=variant)
+        assert (row["variant"], row["verdict"]) == (variant, "differs") and detail in row["detail"], row
 
 
 def test_cli_table_json_and_exit_code(tmp_path):
@@ -327,3 +346,19 @@ def test_a_missing_release_names_the_install_command(tmp_path):
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "0.5.13 is not in" in line and "scripts/install.sh" in line
+
+
+def test_the_default_traces_are_the_step_traces_prove_wrote(tmp_path):
+    """pdgate prove writes iteration, pipeline and clock traces to the same folder: the
+    transfer-queue run takes only step traces (a malformed file is kept, and then
+    refused with one line by read_source)."""
+    heads = {"step.jsonl": '{"kind":"header","format":"pdgate-trace","version":1}',
+             "iter.jsonl": '{"kind":"header","format":"pdgate-iteration","version":1}',
+             "clocks.jsonl": '{"kind":"header","format":"pdgate-clocks","version":1}',
+             "bad.jsonl": "not json"}
+    for name, head in heads.items():
+        (tmp_path / name).write_text(head + "\n")
+    assert {n for n in heads if conform._step_trace(tmp_path / n)} == {"step.jsonl", "bad.jsonl"}
+    from model.spec.trace import TraceInputError
+    with pytest.raises(TraceInputError, match="malformed JSON"):
+        conform.read_source(str(tmp_path / "bad.jsonl"))

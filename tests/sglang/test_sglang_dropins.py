@@ -1,4 +1,4 @@
-"""pdgate's drop-ins against each pinned release's own poll functions: same call shapes,
+"""pdgate's drop-ins against each release's own poll functions (0.5.12 to 0.5.23): same call shapes,
 same reduced polls (on a real one-rank gloo group, SGLang's own MetadataBuffers), the
 fake-transfer forms, staging ``is_failed`` and ``pollers=``, and the per-request cache
 (rooms are re-read every call; new request objects are re-read)."""
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from impl.decode import poll_and_all_reduce, poll_and_all_reduce_with_staging
 from impl.sglang import stubs
 from impl.sglang.release import load_release
-from impl.sglang.wheels import PINNED
+from impl.sglang.wheels import RELEASES
 
 S, T, W, F = 4, 3, 2, 0
 
@@ -57,7 +57,7 @@ def make_queue(u, rng, n, hosts=("10.0.0.1",)):
     return reqs, buffers
 
 
-@pytest.mark.parametrize("release", PINNED)
+@pytest.mark.parametrize("release", RELEASES)
 def test_same_result_as_the_release_in_its_own_call_shape(release, gloo1):
     rel = load_release(release)
     u = rel.utils

@@ -1,23 +1,22 @@
-"""pdgate conform --points (impl/sglang/points.py): every pinned release's own
-``pop_preallocated`` and ``pop_bootstrapped`` on 2 and 3 thread ranks against the
-iter-* / prefill-* variant that models it, cut to the points that code covers.
+"""pdgate conform --points (impl/sglang/points.py): every release's own (0.5.12 to 0.5.23,
+RELEASES) ``pop_preallocated`` and ``pop_bootstrapped`` on 2 and 3 thread ranks against
+the iter-* / prefill-* variant that models it, cut to the points that code covers.
 
-Expected-verdict table, fixed scenarios (``pdgate conform --points --sglang pinned``;
-m matches, d differs, r:I reproduces invariant I), releases 0.5.12 0.5.13 0.5.18
-0.5.19 0.5.21 0.5.23:
+Expected-verdict table, fixed scenarios (``pdgate conform --points --sglang all``;
+m matches, d differs, r:I reproduces invariant I), releases 0.5.12 to 0.5.23 in order:
 
 | scenario | verdicts | why |
 |---|---|---|
-| decode all-proceed, bootstrapping, handshake-fail-one | m m m m m m | |
-| decode resolve-split | m m m m m m | the releases keep a pending request in the prealloc queue and poll it (Bootstrapping before ``init``): both ranks issue the MIN. (The variants once left PENDING out of it: this row said d on every release and the spec was corrected, model/spec/iteration.py ``prealloc``) |
-| decode fits-split, two-mixed, head-of-line-split | r:stages_agree x6 | admission on each rank's own budget (head-of-line-split: rank 0 stops at request 0, so request 1 waits there too) |
-| decode ready-fail-one | m r r r m m (r: collectives_agree) | 0.5.13-0.5.19 poll only where a receiver failed locally |
-| decode queue-split | r:stages_agree x4, r:collectives_agree x2 | 0.5.21+ poll a queue of READY requests: the empty rank skips (a hang, reported) |
-| decode fits-head-of-line | m m m m m m | admission stops at the first request that does not fit (FIFO ``break``: the admission point's ``halt``). (The variants once admitted each request on its own: this row said d on every release, and the spec was corrected) |
-| prefill boot-ready, boot-fail-one | m x6 | |
-| prefill no-buffer-split (#37909) | r:no_local_decision_after_min x6 | |
-| prefill boot-queue-split | r:collectives_agree x6 | the empty-queue early return |
-| prefill no-buffer-then-fail | m m m m m m | 0.5.12 ``break``s at the missing buffer, so a later Failed request stays queued (prefill-0.5.12 halts there); 0.5.13 on ``continue`` (prefill-0.5.13, prefill-0.5.18). (prefill-0.5.12 once modelled 0.5.12 and 0.5.13 with the ``continue``: this row said d on 0.5.12) |
+| decode all-proceed, bootstrapping, handshake-fail-one | m x12 | |
+| decode resolve-split | m x12 | the releases keep a pending request in the prealloc queue and poll it (Bootstrapping before ``init``): both ranks issue the MIN. (The variants once left PENDING out of it: this row said d on every release and the spec was corrected, model/spec/iteration.py ``prealloc``) |
+| decode fits-split, two-mixed, head-of-line-split | r:stages_agree x12 | admission on each rank's own budget (head-of-line-split: rank 0 stops at request 0, so request 1 waits there too) |
+| decode ready-fail-one | m, r x7, m x4 (r: collectives_agree) | 0.5.13-0.5.19 poll only where a receiver failed locally; 0.5.20 on poll whatever the receivers say |
+| decode queue-split | r:stages_agree x8, r:collectives_agree x4 | 0.5.20+ poll a queue of READY requests: the empty rank skips (a hang, reported) |
+| decode fits-head-of-line | m x12 | admission stops at the first request that does not fit (FIFO ``break``: the admission point's ``halt``). (The variants once admitted each request on its own: this row said d on every release, and the spec was corrected) |
+| prefill boot-ready, boot-fail-one | m x12 | |
+| prefill no-buffer-split (#37909) | r:no_local_decision_after_min x12 | |
+| prefill boot-queue-split | r:collectives_agree x12 | the empty-queue early return |
+| prefill no-buffer-then-fail | m x12 | 0.5.12 ``break``s at the missing buffer, so a later Failed request stays queued (prefill-0.5.12 halts there); 0.5.13 on ``continue`` (prefill-0.5.13, prefill-0.5.18). (prefill-0.5.12 once modelled 0.5.12 and 0.5.13 with the ``continue``: this row said d on 0.5.12) |
 
 Seeded random scenarios (seed 0): the expected string per release below; `pdgate prove`'s
 iter-0.5.13 / prefill-0.5.12 cex traces as scenarios on 0.5.13.
@@ -35,26 +34,26 @@ import pytest
 import torch
 
 from impl.sglang import points, threadgroup as tg
-from impl.sglang.wheels import PINNED
+from impl.sglang.wheels import RELEASES
 from model.cli import main
 from model.spec.agreement import Stage as S
 from model.spec.iteration import ITER_VARIANTS, IterVariant
 
+M = "m " * 12
 EXPECTED = {
-    "all-proceed": "m m m m m m", "bootstrapping": "m m m m m m", "handshake-fail-one": "m m m m m m",
-    "resolve-split": "m m m m m m",
-    "fits-split": "r:stages_agree " * 6, "two-mixed": "r:stages_agree " * 6,
-    "ready-fail-one": "m " + "r:collectives_agree " * 3 + "m m",
-    "queue-split": "r:stages_agree " * 4 + "r:collectives_agree " * 2,
-    "fits-head-of-line": "m m m m m m", "head-of-line-split": "r:stages_agree " * 6,
-    "boot-ready": "m m m m m m", "boot-fail-one": "m m m m m m",
-    "no-buffer-split": "r:no_local_decision_after_min " * 6,
-    "boot-queue-split": "r:collectives_agree " * 6,
-    "no-buffer-then-fail": "m m m m m m",
+    "all-proceed": M, "bootstrapping": M, "handshake-fail-one": M, "resolve-split": M,
+    "fits-split": "r:stages_agree " * 12, "two-mixed": "r:stages_agree " * 12,
+    "ready-fail-one": "m " + "r:collectives_agree " * 7 + "m " * 4,
+    "queue-split": "r:stages_agree " * 8 + "r:collectives_agree " * 4,
+    "fits-head-of-line": M, "head-of-line-split": "r:stages_agree " * 12,
+    "boot-ready": M, "boot-fail-one": M,
+    "no-buffer-split": "r:no_local_decision_after_min " * 12,
+    "boot-queue-split": "r:collectives_agree " * 12,
+    "no-buffer-then-fail": M,
 }
 # seeded random scenarios (seed 0, 6 decode and 6 prefill, interleaved): per release
-RANDOM = {"0.5.12": "mmrrrmmmmrrm", "0.5.13": "mmmrrmmmmrrm", "0.5.18": "mmmrrmmmmrrm",
-          "0.5.19": "mmmrrmmmmrrm", "0.5.21": "mmmrmmmmmrmm", "0.5.23": "mmmrmmmmmrmm"}
+RANDOM = {"0.5.12": "mmrrrmmmmrrm", **{f"0.5.{n}": "mmmrrmmmmrrm" for n in range(13, 20)},
+          **{f"0.5.{n}": "mmmrmmmmmrmm" for n in range(20, 24)}}
 
 
 def _code(row: dict) -> str:
@@ -63,11 +62,11 @@ def _code(row: dict) -> str:
 
 @pytest.fixture(scope="module")
 def rows():
-    return points.check(list(PINNED), points.fixed_scenarios() + points.random_scenarios(0, 6))
+    return points.check(list(RELEASES), points.fixed_scenarios() + points.random_scenarios(0, 6))
 
 
-def test_every_pinned_release_gives_the_expected_verdicts(rows):
-    assert PINNED == ("0.5.12", "0.5.13", "0.5.18", "0.5.19", "0.5.21", "0.5.23")
+def test_every_release_gives_the_expected_verdicts(rows):
+    assert RELEASES == tuple(f"0.5.{n}" for n in range(12, 24))
     fixed = {sc.name for sc in points.fixed_scenarios()}
     got = {}
     for r in rows:
@@ -101,6 +100,10 @@ def test_a_hang_is_reported_with_both_ranks_records(rows):
     ("0.5.12", "ready-fail-one", "iter-0.5.21", "rank 0 collective 0: spec prealloc_poll MIN shape 1, release nothing"),
     # 0.5.13 polls where its own receiver failed; 0.5.12's variant skips
     ("0.5.13", "ready-fail-one", "iter-0.5.12", "rank 0 collective 0: spec nothing, release MIN shape 1"),
+    # 0.5.20 polls a READY queue on every rank; 0.5.19's variant skips where none failed
+    ("0.5.20", "ready-fail-one", "iter-0.5.19", "rank 1 collective 0: spec nothing, release MIN shape 1"),
+    # and 0.5.19 does skip there, where 0.5.20's variant polls
+    ("0.5.19", "ready-fail-one", "iter-0.5.20", "rank 1 collective 0: spec prealloc_poll MIN shape 1, release nothing"),
     # strict agrees admission with a MIN the releases never issue
     ("0.5.23", "fits-split", "iter-strict", "rank 0 collective 1: spec admission MIN shape 1, release nothing"),
     # prefill-strict gates the missing buffer before the MIN; 0.5.23 continues after it

@@ -1,14 +1,14 @@
-"""pdgate conform --pp: every pinned release's own PP consensus code (the scheduler PP
-mixin's rings + pop_transferred / pop_bootstrapped) on 2 stages x 2 thread ranks against
-its pp-* variant. Expected verdicts per scenario, one per pinned release in PINNED order
-(m: matches, r:I: reproduces I; no row differs):
+"""pdgate conform --pp: every release's own (0.5.12 to 0.5.23, RELEASES) PP consensus code
+(the scheduler PP mixin's rings + pop_transferred / pop_bootstrapped) on 2 stages x 2
+thread ranks against its pp-* variant. Expected verdicts per scenario, one per release in
+RELEASES order (m: matches, r:I: reproduces I; no row differs):
 
 | scenario | verdicts | why |
 |---|---|---|
-| all-success, one-transferring, all-transferring, all-failed | m x6 | every stage's ring and second MIN agree (0.5.23: with its hold-flag MAX after a Failed; all-transferring: an empty list, the second MIN still over the queue) |
-| stage-split-failure | r:stages_agree x6 | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts |
-| gated-second-min | r:stages_agree x6 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12: its commit keeps the request on the rank whose metadata row has not landed |
-| queue-split | r:collectives_agree x6 | one TP rank of stage 0 without the request: up to 0.5.21 it MINs an empty list (shape 0, a gloo mismatch); 0.5.23 skips, so its peer hangs |
+| all-success, one-transferring, all-transferring, all-failed | m x12 | every stage's ring and second MIN agree (0.5.23: with its hold-flag MAX after a Failed; all-transferring: an empty list, the second MIN still over the queue) |
+| stage-split-failure | r:stages_agree x12 | the ring keeps Failed as finished: stage 0 commits, stage 1 aborts |
+| gated-second-min | r:stages_agree x12 | 0.5.13+: the gated second MIN holds stage 1; 0.5.12: its commit keeps the request on the rank whose metadata row has not landed |
+| queue-split | r:collectives_agree x12 | one TP rank of stage 0 without the request: up to 0.5.22 it MINs an empty list (shape 0, a gloo mismatch); 0.5.23 skips, so its peer hangs |
 
 Each row that differed before the model was corrected has a sibling that still differs:
 the same run against the variant that lacks the mechanism (test_the_old_modelling_differs).
@@ -16,17 +16,17 @@ the same run against the variant that lacks the mechanism (test_the_old_modellin
 Prefill, 0.5.12 to 0.5.21 (the bootstrap ring: good intersected, bad united; then
 ``pop_bootstrapped`` with the consensus), against pp-prefill-0.5.12 / pp-prefill-0.5.18:
 
-| scenario | 0.5.12, 0.5.13 | 0.5.18 to 0.5.21 |
+| scenario | 0.5.12 to 0.5.16 | 0.5.17 to 0.5.21 |
 |---|---|---|
 | ring-ready, ring-stage-bootstrapping | m | m |
 | ring-stage-fails (stage 1 Failed) | r:stages_agree (each stage pops on its own second poll) | m (the consensus applied, #31869) |
 | ring-no-buffer (stage 1 rank 1 has none) | r:stages_agree | r:stages_agree |
 | ring-queue-split | r:collectives_agree (a shape-0 MIN) | r:collectives_agree |
 
-0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the stages,
-zipped by position), against pp-prefill-0.5.23:
+0.5.22 and 0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the
+stages, zipped by position), against pp-prefill-0.5.23:
 
-| scenario | verdict |
+| scenario | verdict (each) |
 |---|---|
 | boot-pp-ready, boot-pp-later-stage-fails | matches (stage 1 acts on PP0's polls, not its own Failed) |
 | boot-pp-stage0-empty (cex:positions_agree) | reproduces positions_agree (stage 1 hangs in its receive) |
@@ -39,19 +39,20 @@ import time
 import pytest
 
 from impl.sglang import ppprefill, pprun
-from impl.sglang.wheels import PINNED
+from impl.sglang.wheels import RELEASES
 from model.cli import main
 
 EXPECTED = {
-    "all-success": "m m m m m m", "one-transferring": "m m m m m m", "all-transferring": "m m m m m m",
-    "all-failed": "m m m m m m", "stage-split-failure": "r:stages_agree " * 6,
-    "gated-second-min": "r:stages_agree " * 6, "queue-split": "r:collectives_agree " * 6,
+    "all-success": "m " * 12, "one-transferring": "m " * 12, "all-transferring": "m " * 12,
+    "all-failed": "m " * 12, "stage-split-failure": "r:stages_agree " * 12,
+    "gated-second-min": "r:stages_agree " * 12, "queue-split": "r:collectives_agree " * 12,
 }
-RING = {"ring-ready": "m m m m m", "ring-stage-bootstrapping": "m m m m m",
-        "ring-stage-fails": "r:stages_agree r:stages_agree m m m", "ring-no-buffer": "r:stages_agree " * 5,
-        "ring-queue-split": "r:collectives_agree " * 5}
-
-
+# the ring releases, 0.5.12 to 0.5.21, in order
+RING = {"ring-ready": "m " * 10, "ring-stage-bootstrapping": "m " * 10,
+        "ring-stage-fails": "r:stages_agree " * 5 + "m " * 5, "ring-no-buffer": "r:stages_agree " * 10,
+        "ring-queue-split": "r:collectives_agree " * 10}
+RING_RELEASES = RELEASES[:10]
+# 0.5.22 and 0.5.23 forward PP0's polls by position, each with these verdicts
 PREFILL = {"boot-pp-ready": "m", "boot-pp-later-stage-fails": "m",
            "boot-pp-stage0-empty": "r:positions_agree", "boot-pp-shifted": "r:positions_agree"}
 
@@ -63,8 +64,8 @@ def _code(row: dict) -> str:
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
     start = time.monotonic()
-    out = pprun.check_pp(PINNED, pprun.fixed_pp_scenarios())
-    assert time.monotonic() - start < 40
+    out = pprun.check_pp(RELEASES, pprun.fixed_pp_scenarios())
+    assert time.monotonic() - start < 80
     return out
 
 
@@ -77,7 +78,7 @@ def test_expected_verdicts_per_release(rows: list[dict]) -> None:
 def test_the_release_code_ran_its_ring_and_both_mins(rows: list[dict]) -> None:
     """Every release's own P2P helpers: TP rank 0 sends and receives, then broadcasts
     to its stage; each stage's two TP-MINs."""
-    for version in PINNED:
+    for version in RELEASES:
         r = next(x for x in rows if x["release"] == version and x["scenario"] == "all-success")
         assert r["records"] == [[("min", 2), ("min", 2)]] * 4
         assert r["ring"] == [[("send", 1), ("recv", 1), ("bcast", 0), ("send", 1)],   # list on, release back, on
@@ -110,8 +111,9 @@ def test_the_old_modelling_differs(rows: list[dict]) -> None:
     assert no_max["verdict"] == "differs" and no_max["detail"].endswith("spec nothing, release MAX shape 1")
     split = pprun.compare_pp(scenarios["stage-split-failure"], "pp-0.5.13", run("0.5.23", "stage-split-failure"))
     assert split["verdict"] == "differs" and "release MAX shape 1" in split["detail"]
-    skipped = pprun.compare_pp(scenarios["queue-split"], "pp-0.5.23", run("0.5.21", "queue-split"))
-    assert skipped["detail"] == "stage 0 rank 1 collective 0: spec nothing, release MIN shape 0"
+    for version in ("0.5.21", "0.5.22"):       # the empty-list skip came in 0.5.23, not 0.5.22
+        skipped = pprun.compare_pp(scenarios["queue-split"], "pp-0.5.23", run(version, "queue-split"))
+        assert skipped["detail"] == "stage 0 rank 1 collective 0: spec nothing, release MIN shape 0"
     gated = pprun.compare_pp(scenarios["gated-second-min"], "pp-0.5.13", run("0.5.12", "gated-second-min"))
     assert gated["verdict"] == "differs" and gated["detail"] == "stage 1 rank 0 request 0: spec TRANSFER, release PREBUILT"
 
@@ -156,8 +158,9 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
 @pytest.fixture(scope="module")
 def ring_rows() -> list[dict]:
     start = time.monotonic()
-    out = ppprefill.check_ring_prefill([v for v in PINNED if v != "0.5.23"], ppprefill.ring_prefill_scenarios())
-    assert time.monotonic() - start < 40
+    assert [v for v in RELEASES if not ppprefill.by_position(v)] == list(RING_RELEASES)
+    out = ppprefill.check_ring_prefill(RING_RELEASES, ppprefill.ring_prefill_scenarios())
+    assert time.monotonic() - start < 60
     return out
 
 
@@ -165,9 +168,10 @@ def test_prefill_bootstrap_ring(ring_rows: list[dict]) -> None:
     got = {name: " ".join(_code(r) for r in ring_rows if r["scenario"] == name) for name in RING}
     assert got == {k: " ".join(v.split()) for k, v in RING.items()}
     by = {(r["release"], r["scenario"]): r for r in ring_rows}
-    # 0.5.12, 0.5.13 poll their whole queue again after the ring; 0.5.18 on the unlisted only
-    assert by[("0.5.13", "ring-ready")]["records"] == [[("min", 1), ("min", 1)]] * 4
-    assert by[("0.5.18", "ring-ready")]["records"] == [[("min", 1)]] * 4
+    # 0.5.12 to 0.5.16 poll their whole queue again after the ring; 0.5.17 on the unlisted only
+    for version in RING_RELEASES:
+        again = version in ("0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16")
+        assert by[(version, "ring-ready")]["records"] == [[("min", 1)] * (2 if again else 1)] * 4, version
     assert by[("0.5.18", "ring-stage-bootstrapping")]["records"] == [[("min", 1), ("min", 1)]] * 4
     assert by[("0.5.21", "ring-queue-split")]["records"][1] == [("min", 0)]
 
@@ -179,19 +183,25 @@ def test_prefill_ring_against_the_other_rule_differs(ring_rows: list[dict]) -> N
     assert pprun.compare_pp(sc, "pp-prefill-0.5.12", run("0.5.18"))["detail"] == \
         "stage 0 rank 0 collective 1: spec bootstrap_poll MIN shape 1, release nothing"
     assert pprun.compare_pp(sc, "pp-prefill-0.5.18", run("0.5.12"))["verdict"] == "differs"
+    # where the rule changed: 0.5.16 is the last to poll again, 0.5.17 the first to apply it
+    assert pprun.compare_pp(sc, "pp-prefill-0.5.18", run("0.5.16"))["verdict"] == "differs"
+    assert pprun.compare_pp(sc, "pp-prefill-0.5.12", run("0.5.17"))["verdict"] == "differs"
 
 
 @pytest.fixture(scope="module")
 def prefill_rows() -> list[dict]:
-    return ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios())
+    return ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), versions=RELEASES[10:])
 
 
 def test_prefill_forwarding_by_position(prefill_rows: list[dict]) -> None:
-    assert {r["scenario"]: _code(r) for r in prefill_rows} == PREFILL
-    ready = prefill_rows[0]
+    for version in ("0.5.22", "0.5.23"):
+        assert {r["scenario"]: _code(r) for r in prefill_rows if r["release"] == version} == PREFILL
+    by = {(r["release"], r["scenario"]): r for r in prefill_rows}
+    ready = by[("0.5.23", "boot-pp-ready")]
+    assert ready["records"] == by[("0.5.22", "boot-pp-ready")]["records"]
     assert ready["records"] == [[("min", 2)], [("min", 2)], [("pp_recv", 0)], [("pp_recv", 0)]]
     assert ready["ring"][0] == [("pp_send", 2)]               # each TP rank of PP0 sends its list
-    shifted = prefill_rows[3]
+    shifted = by[("0.5.23", "boot-pp-shifted")]
     assert shifted["places"][2] == [4, 1]                     # request 0 GONE, request 1 still queued
 
 
