@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -388,3 +389,44 @@ def test_slow_pongs_widen_the_liveness_window_which_narrows_again_slowly(engines
         assert not link.pings and t.dropped == 0 and t.rejected == 0
     finally:
         t.close()
+
+
+def test_a_stalled_io_thread_does_not_take_its_own_silence_for_the_prefills(engines, monkeypatch):
+    """The rank's own I/O thread stops (CPU starvation) for three liveness windows right
+    after a heartbeat was answered, so no PONG waits for it on waking: it credits the
+    stall (``_credit_stall``) and PINGs again, instead of failing a live prefill's request.
+    Deterministic, unlike a SIGSTOP of a whole rank, where a slow PONG can widen the
+    window past the freeze (tests/mooncake/test_mooncake_liveness.py)."""
+    from impl.mooncake.prefill import Faults
+    pe, de = engines
+    specs = make_requests(1, seed=11, min_pages=2, max_pages=2)
+    server = PrefillServer(pe, specs, ranks=1, page_bytes=PAGE_BYTES, secret=SECRET, faults=Faults(stall_s=2.0))
+    rank = DecodeRank(de, heartbeat_s=0.05, heartbeat_misses=4)
+    t, stall, stalled = rank.transport, {}, []
+    real_poll = zmq.Poller.poll
+
+    def poll(self, timeout=None):
+        ready = real_poll(self, timeout)
+        seconds = stall.pop("s", None) if threading.current_thread() is t._thread and not ready else None
+        if seconds is None:
+            return ready
+        time.sleep(seconds)                   # this thread does not run; the prefill is fine
+        stalled.append(seconds)
+        return real_poll(self, 0)             # what came meanwhile
+
+    monkeypatch.setattr(zmq.Poller, "poll", poll)
+    try:
+        rec = t.start(specs[0].room, 0, rank.pages(2), server.endpoint)
+        wait_for(lambda: server.endpoint in t._links and t._links[server.endpoint].slowest_rtt > 0, what="a PONG")
+        link = t._links[server.endpoint]
+        window = t.silence_limit(link)
+        assert window < 1.0, window           # three windows stay inside the prefill's 2 s stall
+        stall["s"] = 3 * window
+        wait_for(lambda: stalled, what="the stall")
+        wait_for(lambda: link.last_pong > time.monotonic() - window, what="a PONG after the stall")
+        assert link.alive and not t._unreachable, t._unreachable
+        assert settle(rec, timeout=10) == SUCCESS
+    finally:
+        monkeypatch.undo()
+        rank.transport.close()
+        server.close(close_engine=False)
