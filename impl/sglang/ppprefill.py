@@ -161,44 +161,26 @@ def by_position(version: str) -> bool:
     return any(p.across is Across.PP0 for p in PP_VARIANTS[MODELLED_BY[version][1]].points)
 
 
-def check_pp_prefill(scenarios: Sequence[PPPrefillScenario], *, versions: Sequence[str] = ("0.5.23",),
-                     variant: str | None = None, timeout_s: float = 2.0, source: str | None = None
-                     ) -> list[dict]:
-    """Each release that forwards by position (``by_position``) on every scenario, against
-    its pp-prefill-* variant or ``variant``."""
-    from impl.sglang import points
-    from impl.sglang.pp_facts import MODELLED_BY
-    rows = []
-    try:
-        for version in versions:
-            rel = points.load(version, source)
-            for sc in scenarios:
-                run = run_pp_prefill(rel, sc, timeout_s)
-                name = variant or MODELLED_BY[version][1]
-                rows.append({"release": version, "side": "pp-prefill", **compare_pp(sc, name, run), "run": run})
-            stubs.purge()
-    finally:
-        stubs.purge()
-    return rows
-
-
-def check_ring_prefill(versions: Sequence[str], scenarios: Sequence[PPPrefillScenario], *,
-                       variant: str | None = None, timeout_s: float = 2.0, source: str | None = None
-                       ) -> list[dict]:
-    """Each release with the bootstrap ring (0.5.12 to 0.5.21) on every scenario, against
-    its pp-prefill-* variant or ``variant``."""
+def check_prefill(versions: Sequence[str], *, variant: str | None = None, timeout_s: float = 2.0,
+                  source: str | None = None) -> list[dict]:
+    """Each release on its own prefill PP path: forwarding by position (``by_position``, 0.5.22
+    on) on ``prefill_pp_scenarios``, else the mixin's bootstrap ring (0.5.12 to 0.5.21) on
+    ``ring_prefill_scenarios``; each against its pp-prefill-* variant or ``variant``."""
     from impl.sglang import points
     from impl.sglang.pp_facts import MIXIN, MODELLED_BY
     rows = []
     try:
         for version in versions:
-            stubs.REAL_EXTRA.add(MIXIN)
+            positional = by_position(version)
+            if not positional:
+                stubs.REAL_EXTRA.add(MIXIN)
             rel = points.load(version, source)
-            mixin = load_mixin()
-            for sc in scenarios:
-                run = run_ring_prefill(rel, mixin, sc, timeout_s)
+            mixin = None if positional else load_mixin()
+            for sc in prefill_pp_scenarios() if positional else ring_prefill_scenarios():
+                run = run_pp_prefill(rel, sc, timeout_s) if positional else run_ring_prefill(rel, mixin, sc, timeout_s)
                 name = variant or MODELLED_BY[version][1]
                 rows.append({"release": version, "side": "pp-prefill", **compare_pp(sc, name, run), "run": run})
+            stubs.REAL_EXTRA.discard(MIXIN)
             stubs.purge()
     finally:
         stubs.REAL_EXTRA.discard(MIXIN)

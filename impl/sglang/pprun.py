@@ -518,11 +518,7 @@ def run_pp(args: Any) -> int:
         rows = check_pp(versions, fixed_pp_scenarios(), variant=args.variant, timeout_s=timeout)
         if args.variant is None:        # prefill: the bootstrap ring, or forwarding by position (0.5.22 on)
             from impl.sglang import ppprefill
-            positional = [v for v in versions if ppprefill.by_position(v)]
-            ring = [v for v in versions if v not in positional]
-            rows += ppprefill.check_ring_prefill(ring, ppprefill.ring_prefill_scenarios(), timeout_s=timeout)
-            rows += ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), versions=positional,
-                                               timeout_s=timeout)
+            rows += ppprefill.check_prefill(versions, timeout_s=timeout)
     except Exception as exc:          # the harness itself failed: one line
         print(f"pdgate conform: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -159,7 +159,7 @@ def test_cli_table(capsys: pytest.CaptureFixture) -> None:
 def ring_rows() -> list[dict]:
     start = time.monotonic()
     assert [v for v in RELEASES if not ppprefill.by_position(v)] == list(RING_RELEASES)
-    out = ppprefill.check_ring_prefill(RING_RELEASES, ppprefill.ring_prefill_scenarios())
+    out = ppprefill.check_prefill(RING_RELEASES)
     assert time.monotonic() - start < 60
     return out
 
@@ -190,7 +190,7 @@ def test_prefill_ring_against_the_other_rule_differs(ring_rows: list[dict]) -> N
 
 @pytest.fixture(scope="module")
 def prefill_rows() -> list[dict]:
-    return ppprefill.check_pp_prefill(ppprefill.prefill_pp_scenarios(), versions=RELEASES[10:])
+    return ppprefill.check_prefill(RELEASES[10:])
 
 
 def test_prefill_forwarding_by_position(prefill_rows: list[dict]) -> None:
