@@ -16,7 +16,7 @@ FAMILIES: dict[str, tuple[Callable[[str], str], Callable[..., list[str]]]] = {
     "decode": (lambda v: it.MODELLED_BY[v], it.release_mismatches),
     "offload": (lambda v: it.MODELLED_BY[v], it.offload_mismatches),
     "prefill": (lambda v: it.PREFILL_MODELLED_BY[v], it.prefill_mismatches),
-    "pp": (lambda v: "/".join(x for x in pp_facts.MODELLED_BY[v] if x), pp_facts.release_mismatches),
+    "pp": (lambda v: "/".join(pp_facts.MODELLED_BY[v]), pp_facts.release_mismatches),
     "clocks": (lambda v: clock_facts.MODELLED_BY[v], clock_facts.release_mismatches),
 }
 _NOT_WITH_FACTS = ("points", "pp", "swap", "patch", "deferred", "emit_diff", "local_release",
@@ -41,8 +41,8 @@ def _args(args: Any) -> list[str]:
     if given:
         raise ValueError(f"--facts does not combine with {', '.join(given)}")
     versions = _versions(args.sglang)
-    unknown = [v for v in versions if any(v not in m for m in (it.MODELLED_BY, pp_facts.MODELLED_BY,
-                                                                 clock_facts.MODELLED_BY))]
+    unknown = [v for v in versions if any(v not in m for m in (it.MODELLED_BY, it.PREFILL_MODELLED_BY,
+                                                                 pp_facts.MODELLED_BY, clock_facts.MODELLED_BY))]
     if unknown:
         raise ValueError(f"--facts: no variants model {', '.join(unknown)} (modelled: {', '.join(it.MODELLED_BY)})")
     if args.source is not None and len(versions) != 1:

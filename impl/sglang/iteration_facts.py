@@ -37,9 +37,17 @@ class Mechanisms:
     release_host_only: bool   # ... of host-staged holds only, issued ``if host_ready.numel()``
 
 
+class _Functions(dict):
+    """Method name -> definition; a reader asking for one the source lacks (an edited
+    ``--source``) gets a one-line ValueError, not a KeyError."""
+
+    def __missing__(self, name: str) -> ast.FunctionDef:
+        raise ValueError(f"the source defines no function {name} (a reader needs it)")
+
+
 def _functions(tree: ast.AST) -> dict[str, ast.FunctionDef]:
     """Method name -> its last definition in the module (class and mixin methods)."""
-    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    return _Functions((n.name, n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
 
 
 def _text(node: ast.AST) -> str:

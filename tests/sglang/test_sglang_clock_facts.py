@@ -121,3 +121,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_source_without_a_function_the_readers_need_is_one_line_and_exit_2(tmp_path, capsys):
+    """An edited --source whose decode.py lost ``pop_transferred``: named, not a KeyError."""
+    path = tmp_path / "sglang/srt/disaggregation/decode.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("x = 1\n", encoding="utf-8")
+    assert main(["conform", "--facts", "--sglang", "0.5.23", "--source", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "pdgate conform: the source defines no function pop_transferred (a reader needs it)"
