@@ -100,9 +100,8 @@ def deploy(mode: str, work: Path, model: Path, cfg: argparse.Namespace,
     # init, so when it exits or is killed the kernel kills every server left in it
     cmd = ["unshare", "-rnpm", "--fork", "--kill-child", "--mount-proc", str(_python()),
            "-m", "impl.sglang.live_driver", str(work / "config.json")]
-    waves = cfg.request_timeout_s + (getattr(cfg, "second_wave_s", None) or 0) \
-        + (cfg.request_timeout_s if getattr(cfg, "second_wave_s", None) is not None else 0)
-    deadline = cfg.start_timeout_s + waves + 120
+    from impl.sglang.live_driver import budget_s
+    deadline = budget_s(conf) + 120
     with open(work / "driver.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(extra_env), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)

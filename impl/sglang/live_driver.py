@@ -240,6 +240,17 @@ def run(cfg: dict) -> dict:
         dep.stop()
 
 
+def budget_s(cfg: dict) -> float:
+    """The longest ``run(cfg)`` may take when every wait runs to its timeout: the start, a
+    kill waiting for a request in flight, the waves, the late write's landing, the linger
+    (its parent's deadline, with a margin for stopping the servers)."""
+    r = float(cfg["request_timeout_s"])
+    second = cfg.get("second_wave_s")
+    return (float(cfg["start_timeout_s"]) + (r if cfg.get("kill_prefill_s") is not None else 0.0) + r
+            + (float(second) + r if second is not None else 0.0)
+            + (r if cfg.get("late_write") else 0.0) + LINGER_S)
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(Path(argv[0]).read_text())
     result = run(cfg)
