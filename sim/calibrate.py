@@ -67,11 +67,19 @@ def describe(setup: dict[str, Any]) -> str:
             + "".join(f" delay {r}:{ms:g}" for r, ms in delays.items()))
 
 
+def _latencies(doc: dict[str, Any], path: str = "an e2e run") -> dict[str, list[float]]:
+    """``latencies`` of one run; a malformed request is one line naming the file."""
+    try:
+        return latencies(doc["timeline"]["requests"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SimInputError(f"{path}: malformed e2e timeline request ({type(exc).__name__}: {exc})") from None
+
+
 def _measured(docs: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per-request latencies of e2e runs, pooled (the runs' own timelines)."""
     out: dict[str, list[float]] = {m: [] for m in METRICS}
     for doc in docs:
-        got = latencies(doc["timeline"]["requests"])
+        got = _latencies(doc)
         for m in METRICS:
             out[m] += got[m]
     return out
@@ -139,8 +147,9 @@ def execute(args: argparse.Namespace) -> int:
     check_writable(args.json, "--json")
     docs = [(p, load_e2e(p)) for p in args.e2e]
     held = [(p, load_e2e(p)) for p in args.validate if p not in args.e2e]   # (fitted rows: always)
-    for path, doc in docs[:1] + held:
+    for path, doc in docs + held:
         check_setup(doc, path)
+        _latencies(doc, path)
     cal = fit(docs)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fp:

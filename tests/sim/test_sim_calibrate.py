@@ -103,6 +103,8 @@ def test_simulate_calibration_cli(cal, tmp_path, capsys):
     (["calibrate", "/etc/hostname"], "not JSON"),
     (["calibrate", "{bad}"], "not a pdgate e2e JSON"),
     (["calibrate", CAL, "--validate", "{e2e_bad_setup}"], "malformed setup"),
+    (["calibrate", CAL, "--validate", "{e2e_no_commit}"], "held2.json: malformed e2e timeline request (KeyError"),
+    (["calibrate", CAL, "{e2e_no_commit}"], "held2.json: malformed e2e timeline request (KeyError"),
 ])
 def test_bad_calibration_input_is_one_line(argv, needle, tmp_path, capsys):
     bad = tmp_path / "bad.json"
@@ -115,7 +117,12 @@ def test_bad_calibration_input_is_one_line(argv, needle, tmp_path, capsys):
     held["setup"]["metadata_delay_ms"] = [1]
     e2e_bad_setup = tmp_path / "held.json"
     e2e_bad_setup.write_text(json.dumps(held))
-    argv = [a.format(bad=bad, good=good, e2e=e2e, e2e_bad_setup=e2e_bad_setup) for a in argv]
+    held = load_e2e(CAL)                  # a committed request without its commit time
+    del next(r for r in held["timeline"]["requests"] if r["committed"])["commit"]
+    e2e_no_commit = tmp_path / "held2.json"
+    e2e_no_commit.write_text(json.dumps(held))
+    argv = [a.format(bad=bad, good=good, e2e=e2e, e2e_bad_setup=e2e_bad_setup, e2e_no_commit=e2e_no_commit)
+            for a in argv]
     try:
         rc = main(argv)
     except SystemExit as exc:
