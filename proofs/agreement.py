@@ -60,7 +60,8 @@ BREAKS: dict[str, tuple[str, ...]] = {
     "prefill-0.5.18": ("bootstrap_poll",),
     "prefill-strict": (),
 }
-# the transfer queue's continues; prefill's metadata-buffer continue in pop_bootstrapped
+# the transfer queue's continues; prefill's metadata-buffer check in pop_bootstrapped
+# (a continue from 0.5.13, 0.5.12's break: a halt)
 LOCAL_AFTER_MIN = ("iter-0.5.13", "iter-0.5.19", "iter-0.5.20", "iter-0.5.21", "iter-0.5.23", "prefill-0.5.12",
                    "prefill-0.5.13", "prefill-0.5.18")
 

@@ -4,8 +4,11 @@
 # another, gzipped JSON (trace and work-dir paths removed) into OUT (default
 # bench/data/fidelity/quiet). Run it on a machine doing nothing else: every JSON records
 # the load average and CPU pressure before and after its run (`machine_load`).
-#   REQUESTS (default 500: T=4 at the default pages fits the 2 GiB KV limit) requests per run; REPEATS (default 3) runs per setup, 5 for the
-#   calibration's own setup (T=2, inflight 16), so that its repeats show the noise floor.
+#   REQUESTS (default 500: T=4 at the default pages fits the 2 GiB KV limit) requests per run;
+#   REPEATS (default 3) runs per setup, REPEATS + 2 for the calibration's own setup (T=2,
+#   inflight 16), so that its repeats show the noise floor. Runs already in OUT are kept
+#   (rerun to resume); the first run that does not commit cleanly stops the script, its
+#   JSON and work folder kept and named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/data/fidelity/quiet}"
@@ -20,7 +23,7 @@ run() {   # NAME SEED FLAGS...
     local tmp; tmp="$(mktemp -d)"
     if ! pdgate e2e --requests "$REQUESTS" --seed "$seed" --json "$json" \
             --work-dir "$tmp" "$@" >/dev/null; then
-        echo "fidelity: $name seed $seed did not commit cleanly (kept: $json)" >&2
+        echo "fidelity: $name seed $seed did not commit cleanly (kept: $json and $tmp)" >&2
         return 1
     fi
     python - "$json" <<'EOF'
