@@ -307,14 +307,6 @@ def room_last(conn: Any) -> None:
     manager._pdgate_room_last = True
 
 
-def install_prefill(utils: Any, conn: Any) -> None:
-    """The whole prefill side, on modules already loaded (the live prefill installs each
-    as its module is imported: impl/sglang/live_site/live_prefill.py)."""
-    note_rooms(utils)
-    settle_writes(conn)
-    room_last(conn)
-
-
 def release_fences(conn_source: str) -> list[str]:
     """What the release's sender lacks of the ACK channel the abort fence builds on
     (empty: it has it): a drain ack that a pending room can hold back
@@ -323,17 +315,16 @@ def release_fences(conn_source: str) -> list[str]:
     place its writes go to the engine."""
     tree = ast.parse(conn_source)
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    text = {name: ast.unparse(methods[name]) if name in methods else ""
+            for name in ("transfer_worker", "_poison_unsettled_send", "_transfer_data")}
+    worker = text["transfer_worker"]       # "" where the release lacks it: every check fails
     missing = []
-    if "_maybe_ack_drained_abort" not in ast.unparse(methods.get("transfer_worker") or tree):
+    if "_maybe_ack_drained_abort" not in worker:
         missing.append("transfer_worker acking a drained abort (_maybe_ack_drained_abort)")
-    poison = methods.get("_poison_unsettled_send")
-    if poison is None or "poison_deferred_ack_room" not in ast.unparse(poison):
+    if "poison_deferred_ack_room" not in text["_poison_unsettled_send"]:
         missing.append("_poison_unsettled_send poisoning the deferred release's ack")
-    worker = methods.get("transfer_worker")
-    calls = ast.unparse(worker) if worker is not None else ""
-    if calls.count("self._poison_unsettled_send(") < 2:
+    if worker.count("self._poison_unsettled_send(") < 2:
         missing.append("transfer_worker calling _poison_unsettled_send after a failed chunk and row")
-    transfer = methods.get("_transfer_data")
-    if transfer is None or "batch_transfer_sync" not in ast.unparse(transfer):
+    if "batch_transfer_sync" not in text["_transfer_data"]:
         missing.append("_transfer_data sending through the engine's batch_transfer_sync")
     return missing

@@ -109,6 +109,9 @@ def test_the_release_fences_its_aborts(release):
     assert prefill_patch.release_fences(source) == []
     unfenced = source.replace("self.poison_deferred_ack_room(room)", "pass")
     assert prefill_patch.release_fences(unfenced)          # the check can say no
+    # a sender without transfer_worker: its def line is not the drained abort's ack
+    renamed = source.replace("def transfer_worker(", "def other_worker(")
+    assert "transfer_worker acking a drained abort (_maybe_ack_drained_abort)" in prefill_patch.release_fences(renamed)
 
 
 # --- the abort fence: a failed room's ACK waits until its writes settled -------------
