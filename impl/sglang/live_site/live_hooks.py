@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from impl.sglang.patch import abort_acked
+from impl.sglang.patch import abort_acked, writes_fenced
 from impl.sglang.reasons import decision_of
 from model.spec.kernel import Decision
 from model.spec.kvpoll import KVPoll
@@ -160,8 +160,10 @@ class _Rank:
         req = self.tenant.get(slot)
         if req is None:
             return
-        why = ("ack" if abort_acked(self.receiver_of.get(req), self.room_of[req])
-               else "settled" if self.latched.get(req) == SUCCESS else None)
+        recv, room = self.receiver_of.get(req), self.room_of[req]
+        why = None              # the patch's rule decides; the label says which part held
+        if writes_fenced(recv, room, settled=self.latched.get(req) == SUCCESS):
+            why = "ack" if abort_acked(recv, room) else "settled"
         if self.releasing:                        # the trace's release timeout counts these
             self._write({"k": "release", "req": req, "why": why or "timeout"}, later=True)
         if req in self.fenced:
