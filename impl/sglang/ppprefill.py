@@ -161,11 +161,10 @@ def by_position(version: str) -> bool:
     return any(p.across is Across.PP0 for p in PP_VARIANTS[MODELLED_BY[version][1]].points)
 
 
-def check_prefill(versions: Sequence[str], *, variant: str | None = None, timeout_s: float = 2.0,
-                  source: str | None = None) -> list[dict]:
+def check_prefill(versions: Sequence[str], *, timeout_s: float = 2.0, source: str | None = None) -> list[dict]:
     """Each release on its own prefill PP path: forwarding by position (``by_position``, 0.5.22
     on) on ``prefill_pp_scenarios``, else the mixin's bootstrap ring (0.5.12 to 0.5.21) on
-    ``ring_prefill_scenarios``; each against its pp-prefill-* variant or ``variant``."""
+    ``ring_prefill_scenarios``; each against its pp-prefill-* variant."""
     from impl.sglang import points
     from impl.sglang.pp_facts import MIXIN, MODELLED_BY
     rows = []
@@ -178,9 +177,9 @@ def check_prefill(versions: Sequence[str], *, variant: str | None = None, timeou
             mixin = None if positional else load_mixin()
             for sc in prefill_pp_scenarios() if positional else ring_prefill_scenarios():
                 run = run_pp_prefill(rel, sc, timeout_s) if positional else run_ring_prefill(rel, mixin, sc, timeout_s)
-                name = variant or MODELLED_BY[version][1]
-                rows.append({"release": version, "side": "pp-prefill", **compare_pp(sc, name, run), "run": run})
-            stubs.REAL_EXTRA.discard(MIXIN)
+                rows.append({"release": version, "side": "pp-prefill",
+                             **compare_pp(sc, MODELLED_BY[version][1], run), "run": run})
+            stubs.REAL_EXTRA.discard(MIXIN)       # the next release may forward by position
             stubs.purge()
     finally:
         stubs.REAL_EXTRA.discard(MIXIN)
