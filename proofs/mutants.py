@@ -254,6 +254,13 @@ def _fresh_not_checked() -> None:
     vocab.Ctx.first_fresh = lambda self, s, r0: orig(self, s, r0) if self.finite else z3.BoolVal(True)
 
 
+def _named_slots_ignored() -> None:
+    """The encoding's enqueue takes the FIFO front even where a trace names the slots."""
+    from model.encoding import actions
+    orig = actions.enqueue
+    actions.enqueue = lambda ctx, s, r0=None, slots=None: orig(ctx, s, r0)
+
+
 def _member_false() -> None:
     from model.encoding import vocab
     orig = vocab.Ctx.member
@@ -347,6 +354,8 @@ MUTANTS: list[Mutant] = [
            _fresh_not_checked, ("safety:exactly_once@strict",)),
     Mutant("encoding-member-false", "encoding", "unbounded membership is false (every guard vacuous)",
            _member_false, ("consistent:actions@strict",)),
+    Mutant("encoding-named-slots-ignored", "encoding", "enqueue takes the FIFO front where a trace names the slots",
+           _named_slots_ignored, ("refines:spec@strict",)),
     Mutant("lemmas-bundle-drops-room", "lemmas", "no_corruption's bundle lacks room_is_own_or_zero",
            _bundle_drops_lemma, ("safety:no_corruption@strict",)),
     Mutant("lemmas-recv-too-strong", "lemmas", "recv_range claims a queued receiver is always waiting",

@@ -113,18 +113,23 @@ def _params(ctx: Ctx, name: str, k0: Any, r0: Any) -> tuple[Any, Any]:
             ctx.fresh(f"{name}_req", "Req") if r0 is None else r0)
 
 
-def enqueue(ctx: Ctx, s: State, r0: Any = None) -> Action:
+def enqueue(ctx: Ctx, s: State, r0: Any = None, slots: tuple[int, ...] | None = None) -> Action:
+    """``slots``: the slot each rank's allocator gave the request (a real run's trace,
+    ground elements only): each must be free there, and every rank takes its own,
+    whatever the admission (the spec's ``Enqueue.slots``)."""
     r0 = ctx.fresh("enq_req", "Req") if r0 is None else r0
     pick = ctx.fresh_fn("pick", "Rank", "Slot")
 
     def slot_ok(k: Any) -> Any:
         ok = [ctx.member(pick(k), "Slot"), s.free(k, pick(k))]
-        if ctx.finite:    # FIFO: the free slot freed longest ago
+        if slots is not None:
+            ok.append(_named_slot(ctx, k, pick(k), slots))
+        elif ctx.finite:    # FIFO: the free slot freed longest ago
             ok.append(ctx.forall(("Slot",), lambda x: z3.Implies(s.free(k, x),
                                                                  s.stamp(k, pick(k)) <= s.stamp(k, x))))
         return z3.And(ok)
 
-    if ctx.variant.admission is Admission.AGREED:
+    if ctx.variant.admission is Admission.AGREED or slots is not None:
         # the MIN over ranks of their free slots is at least 1: every rank takes it
         admit = lambda k: z3.BoolVal(True)
         takes = [ctx.forall(("Rank",), slot_ok)]
@@ -147,6 +152,16 @@ def enqueue(ctx: Ctx, s: State, r0: Any = None) -> Action:
         free=lambda k, x: z3.And(s.free(k, x), z3.Not(z3.And(admit(k), x == pick(k)))),
         owner=lambda k, x: z3.If(z3.And(admit(k), x == pick(k)), r0, s.owner(k, x)))
     return Action("enqueue", {"req": r0, "pick": pick}, guard, _tick(post))
+
+
+def _named_slot(ctx: Ctx, k: Any, slot: Any, slots: tuple[int, ...]) -> z3.BoolRef:
+    """``slot`` is the one ``slots`` names for rank ``k`` (false for a rank count or a slot
+    outside the universe: the spec refuses those too)."""
+    ranks, universe = ctx.elems["Rank"], ctx.elems["Slot"]
+    if len(slots) != len(ranks):
+        return z3.BoolVal(False)
+    return z3.Or([z3.And(k == rank, slot == universe[x]) for rank, x in zip(ranks, slots)
+                  if 0 <= x < len(universe)])
 
 
 def _local_admission(ctx: Ctx, s: State, slot_ok: Callable[[Any], Any]
@@ -309,7 +324,7 @@ def event_action(ctx: Ctx, s: State, ev: Event) -> Action:
     rank = lambda: ctx.elems["Rank"][ev.rank]
     req = lambda: ctx.elems["Req"][ev.req]
     if isinstance(ev, Enqueue):
-        return enqueue(ctx, s, req())
+        return enqueue(ctx, s, req(), ev.slots)
     if isinstance(ev, KvDone):
         return receiver(ctx, s, "kv_done", SUCCESS, rank(), req())
     if isinstance(ev, Fail):

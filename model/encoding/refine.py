@@ -32,7 +32,7 @@ step's MIN and alignment), once per distinct pinned formula.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import z3
@@ -420,6 +420,13 @@ def candidate_events(state: SystemState, n_reqs: int, offers: Sequence[Enqueue])
     nxt = len(state.requests)
     if nxt < len(offers):
         evs.append(offers[nxt])
+        # the same request on slots a trace names: each rank's last free one (not the FIFO
+        # front), and rank 0's lowest slot that is not free there (refused)
+        last = tuple(rs.free[-1] if rs.free else 0 for rs in state.ranks)
+        evs.append(replace(offers[nxt], slots=last))
+        taken = next((x for x in range(state.n_slots) if x not in state.ranks[0].free), None)
+        if taken is not None:
+            evs.append(replace(offers[nxt], slots=(taken,) + last[1:]))
     if state.requests:                      # a request id already used: must be refused
         evs.append(offers[0])
     for k in range(len(state.ranks)):

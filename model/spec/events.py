@@ -20,8 +20,9 @@ class Enqueue:
     payload: int    # what prefill sends in the metadata row (first output token)
     # The slot each rank gave the request, in rank order, where a trace of a real run
     # names them (its allocator's own choice): each must be free on that rank. None:
-    # each rank takes the front of its FIFO free list (the proofs' unbounded encoding
-    # already lets enqueue take any free slot, so naming one adds no behaviour).
+    # each rank takes the front of its FIFO free list. The encoding's enqueue takes the
+    # named slots too (model/encoding/actions.py), and the refinement check offers them
+    # (the last free slot of each rank, and a slot that is not free: refused).
     slots: tuple[int, ...] | None = None
 
 
