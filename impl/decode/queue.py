@@ -207,9 +207,7 @@ class DecodeTransferQueue:
             # 0.5.23 resolves its holds before each admission: what every rank can release
             # now (acknowledged, or timed out at an earlier step), one MIN over the held
             # slots, which agree on every rank (machine._fence releases at that point)
-            due = np.array([_abort_acknowledged(d.kv_receiver) or self._timed_out(n)
-                            for d, n in self._held], dtype=np.uint8)
-            self._release_held(self.exchange.all_reduce_min(torch.from_numpy(due)).numpy())
+            self._release_held(self.exchange.all_reduce_min(torch.from_numpy(self._due_now())).numpy())
         n = min(wanted, self.capacity())
         if self.variant.admission is Admission.AGREED:
             n = int(self.exchange.all_reduce_min(torch.tensor([n], dtype=torch.int64))[0])
@@ -314,12 +312,14 @@ class DecodeTransferQueue:
         (prefill acknowledged the abort, or it was held the release timeout's steps)."""
         for h in self._held:
             h[1] += 1
-        return np.array([_abort_acknowledged(d.kv_receiver) or self._timed_out(n)
-                         for d, n in self._held], dtype=np.uint8)
+        return self._due_now()
 
-    def _timed_out(self, held_steps: int) -> bool:
+    def _due_now(self) -> np.ndarray:
+        """1 per held slot this rank could release (machine._releasable): prefill
+        acknowledged the abort, or it was held the release timeout's steps."""
         limit = self.variant.release_timeout_steps
-        return limit is not None and held_steps >= limit
+        return np.array([_abort_acknowledged(d.kv_receiver) or (limit is not None and n >= limit)
+                         for d, n in self._held], dtype=np.uint8)
 
     def _release_held(self, due: np.ndarray) -> None:
         """Free the held slots that are due (in enqueue order, as machine._release_held)."""

@@ -232,11 +232,8 @@ def fence(ctx: Ctx, s: State, k0: Any = None, r0: Any = None) -> Action:
     elif ctx.variant.defer_failed is Deferral.AGREED:
         # every rank holding r0 can release it, this fence counted: all release it now
         # (machine._fence: 0.5.23 resolves its holds before each admission)
-        limit = ctx.variant.release_timeout_steps
-        can = lambda k, r: z3.Or(mid.fen(k, r), (s.hage(k, r) >= limit) if limit is not None
-                                 else z3.BoolVal(False))
-        ok, side = ctx.rank_min(lambda k, r: z3.If(z3.Or(z3.Not(s.held(k, r)), can(k, r)), 1, 0))
-        go = z3.And(s.held(k0, r0), ok(r0) == 1)
+        release, side = _deferred_release(ctx, s, mid.fen, ahead=0)
+        go = release(k0, r0)
         mid = _free_slots(ctx, mid.but(held=lambda k, r: z3.And(s.held(k, r),
                                                                 z3.Not(z3.And(go, r == r0)))),
                           lambda k, x: z3.And(go, s.held(k, r0), s.slot(k, r0) == x))
@@ -295,16 +292,19 @@ def protocol_step(ctx: Ctx, s: State) -> Action:
                   {"gated": g, "reduced": red, "decision": d})
 
 
-def _deferred_release(ctx: Ctx, s: State) -> tuple[Callable[[Any, Any], Any], list[z3.BoolRef]]:
-    """Which deferred slots a step releases before its pops (machine._release_held):
-    fenced, or held release_timeout_steps steps counting this one; judged per rank
-    (local) or once every rank holding the request can release it (agreed: the MIN
-    over ranks of "not held or can release")."""
+def _deferred_release(ctx: Ctx, s: State, fen: Callable[[Any, Any], Any] | None = None, ahead: int = 1
+                      ) -> tuple[Callable[[Any, Any], Any], list[z3.BoolRef]]:
+    """Which deferred slots are released (machine._releasable): fenced (by ``fen``, the
+    state's or a fence action's), or held release_timeout_steps steps, counting ``ahead``
+    more (a step counts itself; a fence between steps does not); judged per rank (local)
+    or once every rank holding the request can release it (agreed: the MIN over ranks
+    of "not held or can release")."""
     v = ctx.variant
     if v.defer_failed is Deferral.NONE:
         return (lambda k, r: z3.BoolVal(False)), []
     limit = v.release_timeout_steps
-    can = lambda k, r: z3.Or(s.fen(k, r), (s.hage(k, r) + 1 >= limit) if limit is not None
+    fen = s.fen if fen is None else fen
+    can = lambda k, r: z3.Or(fen(k, r), (s.hage(k, r) + ahead >= limit) if limit is not None
                              else z3.BoolVal(False))
     if v.defer_failed is Deferral.LOCAL:
         return (lambda k, r: z3.And(s.held(k, r), can(k, r))), []
