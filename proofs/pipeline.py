@@ -87,9 +87,10 @@ def _unbounded(v: PPVariant) -> bool:
     return all(p.across is not Across.PP0 for p in v.points)
 
 
-def _first_sat(make: Callable[[tuple[int, ...] | None], Query], proof_first: bool) -> tuple[Query, str]:
-    """proofs/agreement.py's, over the pipeline's universes (stages, ranks, requests)."""
-    return first_sat(make, proof_first, CTI_UNIVERSES, ("stages", "T", "N"))
+def _first_sat(make: Callable[[tuple[int, ...] | None], Query]) -> tuple[Query, str]:
+    """proofs/agreement.py's, over the pipeline's universes (stages, ranks, requests),
+    the small universes asked first."""
+    return first_sat(make, False, CTI_UNIVERSES, ("stages", "T", "N"))
 
 
 def _preserves(ob: Obligation, st: Settings) -> Outcome:
@@ -99,7 +100,7 @@ def _preserves(ob: Obligation, st: Settings) -> Outcome:
     # the small universes first, whatever is expected: they are unsat in hundredths of a
     # second where a proof follows, and a sat answer from them is a CTI at once, where the
     # unbounded query of a broken design (a mutant's) runs to its timeout
-    q, where = _first_sat(lambda u: preserves_pp(v, st.timeout_ms, u, excluded, point), False)
+    q, where = _first_sat(lambda u: preserves_pp(v, st.timeout_ms, u, excluded, point))
     if q.result.status == "unsat":
         scope = (f"{point.name} alone, from every agreed state" if point is not None else
                  "from every agreed state, any inputs" + "".join(f", {x} never {n}" for x, n in excluded))
