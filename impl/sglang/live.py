@@ -263,7 +263,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="0.5.23's deferred release timeout on the decode "
                         "(SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT; "
                         "default SGLang's, 30 s; strict's decode ignores it)")
-    p.add_argument("--max-running", type=lambda s: int(number(1, 64)(s)), default=2,
+    p.add_argument("--max-running", type=number(1, 64, integer=True), default=2,
                    metavar="N", help="the decode's --max-running-requests; its metadata "
                                      "pool is 2N slots (default 2: 4 slots, reused)")
     p.add_argument("--room-zero", action="store_true",

@@ -209,7 +209,7 @@ FLAG_CASES: list[list[str]] = [
     ["live", "--fail-send", "-1"], ["live", "--kill-prefill-s", "1e400"],
     ["live", "--json", "/proc/x"], ["live", "--trace", "/"], ["live", "--work-dir", "/proc/x"],
     ["live", "--late-write", "1:nan"], ["live", "--late-write", "2:5"], ["live", "--late-write", "1:never"],
-    ["live", "--second-wave-s", "nan"], ["live", "--release-timeout-s", "inf"], ["live", "--max-running", "65"],
+    ["live", "--second-wave-s", "nan"], ["live", "--release-timeout-s", "inf"], ["live", "--max-running", "65"], ["live", "--max-running", "2.5"],
     ["bench", "nosuchbench"], ["bench", "--json", "/proc/x"],
     ["nosuchcommand"], ["--bogus-flag"],
 ]
