@@ -290,6 +290,11 @@ MUTANTS: list[M] = [
       "if q.ok == q.room == everyone and not q.foreign:", "if q.ok == everyone and not q.foreign:",
       (f"{_PACKED}::test_packed_state_is_apply_event_for_event",),
       "the packed MIN's fast path is taken once every rank latched Success, rooms landed or not"),
+    M("pp-prefill-break-as-continue", "model/spec", "model/spec/pipeline.py",
+      "BOOT_POP_BREAK = replace(BOOT_POP_OWN, halt=2)", "BOOT_POP_BREAK = BOOT_POP_OWN",
+      ("tests/sglang/test_sglang_releases.py::test_conform_facts_on_all_releases_is_the_expected_table",
+       "tests/sglang/test_sglang_pprun.py::test_prefill_bootstrap_ring"),
+      "0.5.12's PP prefill walk goes on past a request without a metadata buffer (its break read as 0.5.13's continue)"),
     # -- model/encoding and the proof runner -------------------------------------------------
     M("encoding-liveness-bound-plus-one", "model/encoding", "model/encoding/invariants.py",
       "s.age(k, r) <= bound)", "s.age(k, r) <= bound + 1)",

@@ -56,6 +56,7 @@ BREAKS: dict[str, tuple[str, ...]] = {
     "pp-0.5.23": ("stages_agree",),
     "pp-strict": (),
     "pp-prefill-0.5.12": ("collectives_agree", "stages_agree"),
+    "pp-prefill-0.5.13": ("collectives_agree", "stages_agree"),
     "pp-prefill-0.5.18": ("collectives_agree", "stages_agree"),
     "pp-prefill-0.5.23": ("positions_agree", "stages_agree"),
     "pp-prefill-strict": (),
@@ -63,7 +64,7 @@ BREAKS: dict[str, tuple[str, ...]] = {
 # The points that break agreement alone, from any agreed state (the others are proved).
 POINT_BREAKS: dict[str, tuple[str, ...]] = {
     "pp-0.5.12": ("transfer_poll",), "pp-0.5.13": ("transfer_poll",), "pp-0.5.23": ("transfer_poll",),
-    "pp-prefill-0.5.12": ("bootstrap_poll",), "pp-prefill-0.5.18": ("bootstrap_uncovered", "bootstrap_pop"),
+    "pp-prefill-0.5.12": ("bootstrap_poll",), "pp-prefill-0.5.13": ("bootstrap_poll",), "pp-prefill-0.5.18": ("bootstrap_uncovered", "bootstrap_pop"),
 }
 # pp_agree under a restriction of the inputs: (input, value it never takes), and per
 # variant whether it is proved; where not, the named counterexample under it.
@@ -75,10 +76,11 @@ RESTRICTED: dict[str, tuple[tuple[str, bool, str], ...]] = {
     "pp-0.5.13": (("no_failure", False, "gated_min"), ("landed", True, "")),
     "pp-0.5.23": (("no_failure", False, "gated_min"), ("landed", True, "")),
     "pp-prefill-0.5.12": (("buffers", False, "own_poll"),),
+    "pp-prefill-0.5.13": (("buffers", False, "own_poll"),),
     "pp-prefill-0.5.18": (("buffers", True, ""),),
 }
 # the releases whose empty queue still MINs (a shape-0 list) and whose TP ranks' queues part
-EMPTY_MIN = ("pp-0.5.12", "pp-prefill-0.5.12", "pp-prefill-0.5.18")
+EMPTY_MIN = ("pp-0.5.12", "pp-prefill-0.5.12", "pp-prefill-0.5.13", "pp-prefill-0.5.18")
 CEX_UNDER = {cex: name for rows in RESTRICTED.values() for name, _, cex in rows if cex}
 REFINE_SAMPLES, REFINE_SIZES = 2, ((1, 2), (2, 1))   # (ranks per stage, requests), 2 stages
 

@@ -8,17 +8,18 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from impl.sglang.iteration_facts import DECODE, PREFILL, _functions, _text, differences
+from impl.sglang.iteration_facts import _BUFFER_VETO, DECODE, PREFILL, _functions, _text, _veto, differences
 from impl.sglang.wheels import open_wheel
 from model.spec.agreement import Across, Op, Skip
 from model.spec.pipeline import PP_VARIANTS, PPVariant
 
 MIXIN = "sglang.srt.managers.scheduler_pp_mixin"
 UTILS = "sglang.srt.disaggregation.utils"
-# decode variant, prefill variant per release, 0.5.12 to 0.5.23: the prefill ring's
-# consensus is applied from 0.5.17 (pp_good_rids), PP0's polls forwarded from 0.5.22
+# decode variant, prefill variant per release, 0.5.12 to 0.5.23: the prefill's walk breaks
+# at a request without a metadata buffer in 0.5.12 only, the ring's consensus is applied
+# from 0.5.17 (pp_good_rids), PP0's polls forwarded from 0.5.22
 MODELLED_BY = {"0.5.12": ("pp-0.5.12", "pp-prefill-0.5.12"),
-               **{f"0.5.{n}": ("pp-0.5.13", "pp-prefill-0.5.12") for n in range(13, 17)},
+               **{f"0.5.{n}": ("pp-0.5.13", "pp-prefill-0.5.13") for n in range(13, 17)},
                **{f"0.5.{n}": ("pp-0.5.13", "pp-prefill-0.5.18") for n in range(17, 22)},
                "0.5.22": ("pp-0.5.13", "pp-prefill-0.5.23"), "0.5.23": ("pp-0.5.23", "pp-prefill-0.5.23")}
 
@@ -36,6 +37,7 @@ class PPMechanisms:
     prefill_ring: bool        # bootstrap consensus round the stages: good intersected, bad united
     prefill_consensus_applied: bool   # pop_bootstrapped applies it (no second poll of the listed rids)
     prefill_by_position: bool  # pop_bootstrapped takes PP0's polls forwarded down the stages
+    prefill_buffer_break: bool   # ... and stops its walk at a request without a metadata buffer
 
 
 def _calls(fn: ast.FunctionDef, name: str) -> list[ast.Call]:
@@ -74,7 +76,8 @@ def mechanisms_of(mixin: str, decode: str, prefill: str, utils: str) -> PPMechan
         prefill_ring=boot is not None and "set(prev_bad_bootstrapped_rids) | set(curr_bad_bootstrapped_rids)"
         in _text(boot) and "set(prev_good_bootstrapped_rids) & set(curr_good_bootstrapped_rids)" in _text(boot),
         prefill_consensus_applied=bool(_calls(pre["pop_bootstrapped"], "poll_and_all_reduce_pp")),
-        prefill_by_position=bool(_calls(pre["pop_bootstrapped"], "poll_and_all_reduce_prefill_pp")))
+        prefill_by_position=bool(_calls(pre["pop_bootstrapped"], "poll_and_all_reduce_prefill_pp")),
+        prefill_buffer_break=_veto(pre["pop_bootstrapped"], *_BUFFER_VETO) == "break")
 
 
 def mechanisms_modelled(decode: PPVariant, prefill: PPVariant) -> PPMechanisms:
@@ -90,7 +93,8 @@ def mechanisms_modelled(decode: PPVariant, prefill: PPVariant) -> PPMechanisms:
                         hold_max=any(p.op is Op.MAX for p in decode.points),
                         prefill_ring=boot is not None and boot.union == (0,),
                         prefill_consensus_applied=boot is not None and dict(boot.moves)[0] not in prefill.transient,
-                        prefill_by_position=any(p.across is Across.PP0 for p in prefill.points))
+                        prefill_by_position=any(p.across is Across.PP0 for p in prefill.points),
+                        prefill_buffer_break=any(p.halt is not None for p in prefill.points))
 
 
 def release_mismatches(version: str, source: str | None = None) -> list[str]:

@@ -78,7 +78,7 @@ def prefill_pp_scenarios() -> list[PPPrefillScenario]:
 
 
 def ring_prefill_scenarios() -> list[PPPrefillScenario]:
-    """0.5.12 to 0.5.21's bootstrap ring, 2 stages x 2 TP ranks, one request."""
+    """0.5.12 to 0.5.21's bootstrap ring, 2 stages x 2 TP ranks, one request (two in the last)."""
     from model.spec.iteration import PStage as P
     B, A, W, F, BOOT = int(P.BOOTSTRAP), int(P.ABSENT), 2, 0, 1
     return [
@@ -92,6 +92,9 @@ def ring_prefill_scenarios() -> list[PPPrefillScenario]:
         _scenario("ring-no-buffer", [[B]] * 4, [[W]] * 4, (8, 8, 8, 0)),
         # stage 0 rank 1 no longer holds it: its get_rids MINs an empty list (shape 0)
         _scenario("ring-queue-split", [[B], [A], [B], [B]], [[W]] * 4),
+        # two requests, the second Failed everywhere, stage 1 rank 1 without a buffer: 0.5.12's
+        # walk breaks at the first (the Failed one stays there), 0.5.13's continues to it
+        _scenario("ring-buffer-break", [[B, B]] * 4, [[W, F]] * 4, (8, 8, 8, 0)),
     ]
 
 

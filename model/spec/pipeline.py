@@ -117,10 +117,12 @@ STRICT_TRANSFER = Point("transfer_poll", Op.MIN, (Q.TRANSFER,), ((0, Q.GONE), (4
 # Failed on any (the union wins)
 _BOOT_RING = Point("bootstrap_consensus", Op.MIN, (B.BOOTSTRAP,), ((0, B.CHECKED), (2, B.CHECKED)),
                    input="bootstrap", union=(0,))
-# 0.5.12 to 0.5.16: pop_bootstrapped(rids_to_check) polls and TP-MINs the whole queue, acts on
-# its own value for the listed rids, keeps one it has no metadata buffer for
+# 0.5.13 to 0.5.16: pop_bootstrapped(rids_to_check) polls and TP-MINs the whole queue, acts on
+# its own value for the listed rids, keeps one it has no metadata buffer for (continue);
+# 0.5.12 stops its walk there (break): the requests after it stay too, a Failed one included
 BOOT_POP_OWN = Point("bootstrap_poll", Op.MIN, (B.BOOTSTRAP, B.CHECKED), ((0, B.GONE), (2, B.WAITING)),
                      Skip.EMPTY, input="bootstrap", veto="no_buffer", veto_value=2, moving=(B.CHECKED,))
+BOOT_POP_BREAK = replace(BOOT_POP_OWN, halt=2)
 BOOT_REQUEUE = Point("requeue", Op.LOCAL, (B.CHECKED,), ((0, B.BOOTSTRAP),))
 # 0.5.17 to 0.5.21 (#31869): bad leaves at once; the unlisted are TP-MINed (``if uncovered``)
 # for a Failed; good is popped unless this rank has no metadata buffer for it
@@ -161,7 +163,10 @@ PP_VARIANTS: dict[str, PPVariant] = {v.name: v for v in (
               (consensus(_FINISHED, Skip.EMPTY), pop(Q.FAILED, gate="unlanded", gate_value=3), HOLD_MAX),
               QStage, Q.TRANSFER, Q.PREBUILT, (Q.CHECKED, Q.FAILED)),
     PPVariant("pp-strict", "this project (decode, pp > 1)", (STRICT_TRANSFER,), QStage, Q.TRANSFER, Q.PREBUILT),
-    PPVariant("pp-prefill-0.5.12", "SGLang 0.5.12 to 0.5.16 (prefill, pp > 1)",
+    PPVariant("pp-prefill-0.5.12", "SGLang 0.5.12 (prefill, pp > 1)",
+              (consensus(_BOOT_RING, Skip.NEVER), BOOT_POP_BREAK, BOOT_REQUEUE), BStage, B.BOOTSTRAP, B.WAITING,
+              (B.CHECKED,)),
+    PPVariant("pp-prefill-0.5.13", "SGLang 0.5.13 to 0.5.16 (prefill, pp > 1)",
               (consensus(_BOOT_RING, Skip.NEVER), BOOT_POP_OWN, BOOT_REQUEUE), BStage, B.BOOTSTRAP, B.WAITING,
               (B.CHECKED,)),
     PPVariant("pp-prefill-0.5.18", "SGLang 0.5.17 to 0.5.21 (prefill, pp > 1)",

@@ -14,7 +14,7 @@ Each row that differed before the model was corrected has a sibling that still d
 the same run against the variant that lacks the mechanism (test_the_old_modelling_differs).
 
 Prefill, 0.5.12 to 0.5.21 (the bootstrap ring: good intersected, bad united; then
-``pop_bootstrapped`` with the consensus), against pp-prefill-0.5.12 / pp-prefill-0.5.18:
+``pop_bootstrapped`` with the consensus), against pp-prefill-0.5.12 / pp-prefill-0.5.13 / pp-prefill-0.5.18:
 
 | scenario | 0.5.12 to 0.5.16 | 0.5.17 to 0.5.21 |
 |---|---|---|
@@ -22,6 +22,7 @@ Prefill, 0.5.12 to 0.5.21 (the bootstrap ring: good intersected, bad united; the
 | ring-stage-fails (stage 1 Failed) | r:stages_agree (each stage pops on its own second poll) | m (the consensus applied, #31869) |
 | ring-no-buffer (stage 1 rank 1 has none) | r:stages_agree | r:stages_agree |
 | ring-queue-split | r:collectives_agree (a shape-0 MIN) | r:collectives_agree |
+| ring-buffer-break (two requests, the second Failed; stage 1 rank 1 has no buffer) | r:stages_agree (0.5.12's walk breaks: the Failed one stays there; 0.5.13 on continue to it) | r:stages_agree |
 
 0.5.22 and 0.5.23 prefill (``pop_bootstrapped`` with pp_size 2: PP0's TP-MIN sent down the
 stages, zipped by position), against pp-prefill-0.5.23:
@@ -50,7 +51,7 @@ EXPECTED = {
 # the ring releases, 0.5.12 to 0.5.21, in order
 RING = {"ring-ready": "m " * 10, "ring-stage-bootstrapping": "m " * 10,
         "ring-stage-fails": "r:stages_agree " * 5 + "m " * 5, "ring-no-buffer": "r:stages_agree " * 10,
-        "ring-queue-split": "r:collectives_agree " * 10}
+        "ring-queue-split": "r:collectives_agree " * 10, "ring-buffer-break": "r:stages_agree " * 10}
 RING_RELEASES = RELEASES[:10]
 # 0.5.22 and 0.5.23 forward PP0's polls by position, each with these verdicts
 PREFILL = {"boot-pp-ready": "m", "boot-pp-later-stage-fails": "m",
@@ -149,7 +150,7 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture) -> None:
 def test_cli_table(capsys: pytest.CaptureFixture) -> None:
     assert main(["conform", "--pp", "--sglang", "0.5.13"]) == 0     # decode and the prefill ring
     out = capsys.readouterr().out
-    assert "12 checks: 6 match, 6 reproduce, 0 differ" in out
+    assert "13 checks: 6 match, 7 reproduce, 0 differ" in out
     # another release's variant: 0.5.23's hold MAX and empty-queue skip are not 0.5.13's
     assert main(["conform", "--pp", "--sglang", "0.5.13", "--variant", "pp-0.5.23"]) == 1
     assert "7 checks: 3 match, 1 reproduce, 3 differ" in capsys.readouterr().out
@@ -186,6 +187,18 @@ def test_prefill_ring_against_the_other_rule_differs(ring_rows: list[dict]) -> N
     # where the rule changed: 0.5.16 is the last to poll again, 0.5.17 the first to apply it
     assert pprun.compare_pp(sc, "pp-prefill-0.5.18", run("0.5.16"))["verdict"] == "differs"
     assert pprun.compare_pp(sc, "pp-prefill-0.5.12", run("0.5.17"))["verdict"] == "differs"
+
+
+def test_prefill_ring_break_and_continue_at_a_missing_buffer(ring_rows: list[dict]) -> None:
+    """0.5.12's walk breaks at a request without a metadata buffer, 0.5.13 to 0.5.16's
+    continues: each release matches its own variant only, at the Failed request behind it."""
+    sc = next(s for s in ppprefill.ring_prefill_scenarios() if s.name == "ring-buffer-break")
+    run = lambda version: next(r["run"] for r in ring_rows if r["release"] == version and r["scenario"] == sc.name)
+    assert pprun.compare_pp(sc, "pp-prefill-0.5.13", run("0.5.12"))["detail"] == \
+        "stage 1 rank 1 request 1: spec GONE, release BOOTSTRAP"
+    for version in ("0.5.13", "0.5.16"):
+        assert pprun.compare_pp(sc, "pp-prefill-0.5.12", run(version))["detail"] == \
+            "stage 1 rank 1 request 1: spec BOOTSTRAP, release GONE"
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ shipped / with deferred KV release on, checked by running it: test_sglang_confor
 | release | decode, offload | prefill | pp (decode/prefill) | clocks | transfer |
 |---|---|---|---|---|---|
 | 0.5.12 | iter-0.5.12 | prefill-0.5.12 | pp-0.5.12/pp-prefill-0.5.12 | clocks-0.5.12 | ungated / ungated |
-| 0.5.13 | iter-0.5.13 | prefill-0.5.13 | pp-0.5.13/pp-prefill-0.5.12 | clocks-0.5.12 | gate / gate |
-| 0.5.14 to 0.5.16 | iter-0.5.13 | prefill-0.5.18 | pp-0.5.13/pp-prefill-0.5.12 | clocks-0.5.12 | gate / gate |
+| 0.5.13 | iter-0.5.13 | prefill-0.5.13 | pp-0.5.13/pp-prefill-0.5.13 | clocks-0.5.12 | gate / gate |
+| 0.5.14 to 0.5.16 | iter-0.5.13 | prefill-0.5.18 | pp-0.5.13/pp-prefill-0.5.13 | clocks-0.5.12 | gate / gate |
 | 0.5.17, 0.5.18 | iter-0.5.13 | prefill-0.5.18 | pp-0.5.13/pp-prefill-0.5.18 | clocks-0.5.12 | gate / gate |
 | 0.5.19 | iter-0.5.19 | prefill-0.5.18 | pp-0.5.13/pp-prefill-0.5.18 | clocks-0.5.19 | gate / gate |
 | 0.5.20 | iter-0.5.20 | prefill-0.5.18 | pp-0.5.13/pp-prefill-0.5.18 | clocks-0.5.21 | gate / gate |
@@ -41,7 +41,7 @@ _ITER = {12: "iter-0.5.12", 19: "iter-0.5.19", 20: "iter-0.5.20", 21: "iter-0.5.
 _CLOCKS = {19: "clocks-0.5.19", 20: "clocks-0.5.21", 21: "clocks-0.5.21", 22: "clocks-0.5.21",
            23: "clocks-0.5.23"}
 TABLE = {f"0.5.{n}": {"decode": _ITER.get(n, "iter-0.5.13"), "offload": _ITER.get(n, "iter-0.5.13"),
-                      "prefill": _PRE.get(n, "prefill-0.5.18"), "pp": _PP.get(n, "pp-0.5.13/pp-prefill-0.5.12"),
+                      "prefill": _PRE.get(n, "prefill-0.5.18"), "pp": _PP.get(n, "pp-0.5.13/pp-prefill-0.5.13"),
                       "clocks": _CLOCKS.get(n, "clocks-0.5.12")} for n in range(12, 24)}
 TRANSFER = {"0.5.12": ("ungated", "ungated"), **{f"0.5.{n}": ("gate", "gate") for n in range(13, 21)},
             "0.5.21": ("gate", "deferred-local"), "0.5.22": ("gate", "deferred-local"),
@@ -97,7 +97,10 @@ MAPS = {"decode": iteration_facts.MODELLED_BY, "offload": iteration_facts.MODELL
     ("0.5.14", "prefill", "prefill-0.5.13", {"waiting"}),
     # the PP prefill consensus applied from 0.5.17, PP0's polls forwarded from 0.5.22
     ("0.5.16", "pp", ("pp-0.5.13", "pp-prefill-0.5.18"), {"prefill_consensus_applied"}),
-    ("0.5.17", "pp", ("pp-0.5.13", "pp-prefill-0.5.12"), {"prefill_consensus_applied"}),
+    ("0.5.17", "pp", ("pp-0.5.13", "pp-prefill-0.5.13"), {"prefill_consensus_applied"}),
+    # the walk's break at a request without a metadata buffer: 0.5.12's, a continue from 0.5.13
+    ("0.5.12", "pp", ("pp-0.5.12", "pp-prefill-0.5.13"), {"prefill_buffer_break"}),
+    ("0.5.13", "pp", ("pp-0.5.13", "pp-prefill-0.5.12"), {"prefill_buffer_break"}),
     ("0.5.22", "pp", ("pp-0.5.13", "pp-prefill-0.5.18"),
      {"prefill_ring", "prefill_consensus_applied", "prefill_by_position"}),
     ("0.5.22", "pp", ("pp-0.5.23", "pp-prefill-0.5.23"), {"empty_min_skipped", "hold_max"}),
