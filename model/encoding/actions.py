@@ -130,7 +130,8 @@ def enqueue(ctx: Ctx, s: State, r0: Any = None, slots: tuple[int, ...] | None = 
         return z3.And(ok)
 
     if ctx.variant.admission is Admission.AGREED or slots is not None:
-        # the MIN over ranks of their free slots is at least 1: every rank takes it
+        # the MIN over ranks of their free slots is at least 1 (or a trace names each
+        # rank's slot, free there): every rank takes it
         admit = lambda k: z3.BoolVal(True)
         takes = [ctx.forall(("Rank",), slot_ok)]
     else:
